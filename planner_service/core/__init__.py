@@ -1,0 +1,1 @@
+"""Pure planning core: plan model, request validation, cost accounting, validator."""

@@ -1,0 +1,120 @@
+"""Cost accounting shared by every solver, benchmark, the validator and the runtime.
+
+Formulas (DESIGN.md section 3; FlashCP, arXiv:2606.08476, section 3):
+
+- workload of shard (d, p, p + s) under causal masking inside its doc is the number of
+  query-key pairs ``W = (2p + s + 1) * s / 2``; a whole doc of length L: ``L (L + 1) / 2``.
+- a rank that holds shard (d, p, e) needs the K and V of doc d for tokens [0, e).
+- exact all-to-all-v: a rank receives, per doc it holds, the prefix up to the end of its
+  last shard of that doc minus what it holds itself.
+- compact all-gather: a rank contributes, per shard, the part some *other* rank needs
+  (below the furthest end any other rank holds of that doc); everyone receives every
+  other rank's buffer, padded to the largest buffer when the collective needs equal sizes.
+- full exchange: every rank receives every other rank's tokens, (N - 1) x tokens per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from planner_service.core.plan import Shard
+
+
+def shard_workload(start: int, length: int) -> int:
+    """Query-key pairs of a shard of ``length`` queries starting at doc position ``start``.
+
+    Query at position i attends keys [0, i]: sum over i in [p, p+s) of (i + 1)
+    = (2p + s + 1) * s / 2, an integer since s and 2p + s + 1 are never both odd.
+    """
+    return (2 * start + length + 1) * length // 2
+
+
+def doc_workload(length: int) -> int:
+    """Query-key pairs of a whole doc: L (L + 1) / 2."""
+    return length * (length + 1) // 2
+
+
+def rank_workloads(shards_per_rank: Sequence[Sequence[Shard]]) -> list[int]:
+    return [sum(shard_workload(s.start, s.end - s.start) for s in rank) for rank in shards_per_rank]
+
+
+def imbalance(workloads: Sequence[int]) -> float:
+    """max / mean over ranks; 1.0 when there is no work at all."""
+    total = sum(workloads)
+    if total == 0:
+        return 1.0
+    return max(workloads) * len(workloads) / total
+
+
+class CommVolumes(NamedTuple):
+    """KV tokens moved per pass by each exchange of one group, per rank in group order."""
+
+    alltoallv_recv: tuple[int, ...]
+    """Exact all-to-all-v: tokens each rank receives."""
+    allgather_send: tuple[int, ...]
+    """Compact all-gather: tokens each rank contributes (unpadded buffer)."""
+
+    @property
+    def alltoallv_tokens(self) -> int:
+        """Critical path: the rank that receives most."""
+        return max(self.alltoallv_recv, default=0)
+
+    @property
+    def compact_allgather_tokens(self) -> int:
+        """Critical path with equal-size buffers: (N - 1) x the largest buffer."""
+        n = len(self.allgather_send)
+        return (n - 1) * max(self.allgather_send, default=0)
+
+
+def comm_volumes(shards_per_rank: Sequence[Sequence[Shard]]) -> CommVolumes:
+    """Per-rank all-to-all-v receive and compact all-gather send volumes."""
+    # need_end[(doc, rank)]: end of the rank's last shard of doc = the KV prefix it needs.
+    need_end: dict[tuple[int, int], int] = {}
+    held: dict[tuple[int, int], int] = {}
+    for rank, shards in enumerate(shards_per_rank):
+        for s in shards:
+            key = (s.doc, rank)
+            need_end[key] = max(need_end.get(key, 0), s.end)
+            held[key] = held.get(key, 0) + (s.end - s.start)
+    recv = [0] * len(shards_per_rank)
+    # top2[doc] = the two largest (need_end, rank) among holders, to find "max over others".
+    top2: dict[int, list[tuple[int, int]]] = {}
+    for (doc, rank), end in need_end.items():
+        recv[rank] += end - held[(doc, rank)]
+        best = top2.setdefault(doc, [])
+        best.append((end, rank))
+        if len(best) > 2:
+            best.sort(reverse=True)
+            best.pop()
+    send = [0] * len(shards_per_rank)
+    for rank, shards in enumerate(shards_per_rank):
+        for s in shards:
+            others = [end for end, r in top2[s.doc] if r != rank]
+            furthest_other = max(others, default=0)
+            send[rank] += max(0, min(s.end, furthest_other) - s.start)
+    return CommVolumes(alltoallv_recv=tuple(recv), allgather_send=tuple(send))
+
+
+def full_exchange_tokens(num_ranks: int, tokens_per_rank: int) -> int:
+    """Tokens each rank receives in a full all-gather (or an N - 1 step ring)."""
+    return (num_ranks - 1) * tokens_per_rank
+
+
+def recv_tokens_by_mode(
+    mode: str, volumes: CommVolumes, tokens_per_rank: int
+) -> tuple[int, ...]:
+    """Per-rank tokens received in ``mode``."""
+    n = len(volumes.alltoallv_recv)
+    if mode in ("full", "p2p_ring"):
+        return (full_exchange_tokens(n, tokens_per_rank),) * n
+    if mode == "compact_allgather":
+        return (volumes.compact_allgather_tokens,) * n
+    if mode == "alltoallv":
+        return volumes.alltoallv_recv
+    raise ValueError(f"comm_mode {mode!r} is unknown")
+
+
+def saving(tokens: int, full_tokens: int) -> float:
+    """1 - tokens / full_tokens; 0.0 when the full exchange moves nothing."""
+    return 0.0 if full_tokens == 0 else 1.0 - tokens / full_tokens

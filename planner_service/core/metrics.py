@@ -1,0 +1,126 @@
+"""Metrics of a group and of a plan, computed only from shards (so the validator can
+recompute and compare every reported figure)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from planner_service.core import cost
+from planner_service.core.model import ModelSpec
+from planner_service.core.plan import Metrics, RankStats, Shard
+from planner_service.core.profiles import get_kernel_profile, get_link_profile
+from planner_service.core.step_time import attention_tiles_per_shard, rank_step
+
+
+def group_metrics(
+    shards_per_rank: Sequence[Sequence[Shard]],
+    padding: Sequence[int],
+    *,
+    comm_mode: str,
+    model: ModelSpec,
+    kernel: str,
+    link: str,
+) -> tuple[Metrics, RankStats]:
+    """Metrics and per-rank stats of one group (ranks in group order)."""
+    n = len(shards_per_rank)
+    tokens = [sum(s.end - s.start for s in rank) for rank in shards_per_rank]
+    tokens_per_rank = max(t + p for t, p in zip(tokens, padding, strict=True))
+    workloads = cost.rank_workloads(shards_per_rank)
+    volumes = cost.comm_volumes(shards_per_rank)
+    full = cost.full_exchange_tokens(n, tokens_per_rank)
+    recv = cost.recv_tokens_by_mode(comm_mode, volumes, tokens_per_rank)
+    kernel_profile, link_profile = get_kernel_profile(kernel), get_link_profile(link)
+    # One vectorised tile count for the whole group, split back per rank.
+    flat = [s for rank in shards_per_rank for s in rank]
+    per_shard = attention_tiles_per_shard(flat, kernel_profile.tile_q, kernel_profile.tile_k)
+    bounds = np.cumsum([0, *(len(rank) for rank in shards_per_rank)])
+    steps = [
+        rank_step(
+            shards,
+            recv_tokens=r,
+            tokens_per_rank=tokens_per_rank,
+            num_ranks=n,
+            comm_mode=comm_mode,
+            model=model,
+            kernel=kernel_profile,
+            link=link_profile,
+            tiles=int(per_shard[bounds[i] : bounds[i + 1]].sum()),
+        )
+        for i, (shards, r) in enumerate(zip(shards_per_rank, recv, strict=True))
+    ]
+    slowest = max(range(n), key=lambda i: (steps[i].total_ms, -i))
+    comm_tokens = max(recv)
+    doc_ranks: dict[int, set[int]] = {}
+    for rank, shards in enumerate(shards_per_rank):
+        for s in shards:
+            doc_ranks.setdefault(s.doc, set()).add(rank)
+    metrics = Metrics(
+        imbalance=cost.imbalance(workloads),
+        max_workload=max(workloads),
+        mean_workload=sum(workloads) / n,
+        comm_mode=comm_mode,
+        comm_tokens=comm_tokens,
+        full_comm_tokens=full,
+        compact_allgather_tokens=volumes.compact_allgather_tokens,
+        alltoallv_tokens=volumes.alltoallv_tokens,
+        comm_saving=cost.saving(comm_tokens, full),
+        comm_saving_allgather=cost.saving(volumes.compact_allgather_tokens, full),
+        comm_saving_alltoallv=cost.saving(volumes.alltoallv_tokens, full),
+        comm_bytes=comm_tokens * model.kv_bytes_per_token,
+        full_comm_bytes=full * model.kv_bytes_per_token,
+        est_step_ms=steps[slowest].total_ms,
+        est_attn_ms=steps[slowest].attn_ms,
+        est_comm_ms=steps[slowest].comm_ms,
+        est_linear_ms=steps[slowest].linear_ms,
+        tokens_per_rank=tokens_per_rank,
+        padding_tokens=sum(padding),
+        num_shards=sum(len(rank) for rank in shards_per_rank),
+        num_split_docs=sum(1 for ranks in doc_ranks.values() if len(ranks) > 1),
+    )
+    stats = RankStats(
+        tokens=tuple(tokens),
+        workload=tuple(workloads),
+        alltoallv_recv=volumes.alltoallv_recv,
+        allgather_send=volumes.allgather_send,
+    )
+    return metrics, stats
+
+
+def plan_metrics(groups: Sequence[tuple[Metrics, RankStats]], comm_mode: str) -> Metrics:
+    """Aggregate group metrics: balance over all grouped ranks, the rest from the worst group.
+
+    A single-group plan's metrics equal its group's.
+    """
+    if len(groups) == 1:
+        return groups[0][0]
+    workloads = [w for _, stats in groups for w in stats.workload]
+    slowest = max(groups, key=lambda g: g[0].est_step_ms)[0]
+    comm_tokens = max(m.comm_tokens for m, _ in groups)
+    full = max(m.full_comm_tokens for m, _ in groups)
+    allgather = max(m.compact_allgather_tokens for m, _ in groups)
+    alltoallv = max(m.alltoallv_tokens for m, _ in groups)
+    return Metrics(
+        imbalance=cost.imbalance(workloads),
+        max_workload=max(workloads),
+        mean_workload=sum(workloads) / len(workloads),
+        comm_mode=comm_mode,
+        comm_tokens=comm_tokens,
+        full_comm_tokens=full,
+        compact_allgather_tokens=allgather,
+        alltoallv_tokens=alltoallv,
+        comm_saving=cost.saving(comm_tokens, full),
+        comm_saving_allgather=cost.saving(allgather, full),
+        comm_saving_alltoallv=cost.saving(alltoallv, full),
+        comm_bytes=max(m.comm_bytes for m, _ in groups),
+        full_comm_bytes=max(m.full_comm_bytes for m, _ in groups),
+        est_step_ms=slowest.est_step_ms,
+        est_attn_ms=slowest.est_attn_ms,
+        est_comm_ms=slowest.est_comm_ms,
+        est_linear_ms=slowest.est_linear_ms,
+        tokens_per_rank=max(m.tokens_per_rank for m, _ in groups),
+        padding_tokens=sum(m.padding_tokens for m, _ in groups),
+        num_shards=sum(m.num_shards for m, _ in groups),
+        num_split_docs=sum(m.num_split_docs for m, _ in groups),
+    )

@@ -1,0 +1,243 @@
+"""The plan: the single contract between the planner and the worker runtime.
+
+JSON layout (DESIGN.md section 5)::
+
+    {"version": 1, "strategy": "flashcp", "cp_size": 4, "doc_lengths": [...],
+     "context_length": 131072, "comm_mode": "alltoallv", "model": {...},
+     "kernel": "h100-fa3", "link": "nvlink",
+     "groups": [{"ranks": [0, 1, 2, 3], "docs": [0, 1, ...],
+                 "shards": [[{"doc": 0, "start": 0, "end": 4096}, ...], ...],
+                 "padding": [0, 0, 0, 3], "metrics": {...}, "rank_stats": {...}}],
+     "metrics": {...}, "info": {...}, "plan_id": "<sha256 of everything else>"}
+
+Shard positions are doc-relative. On each rank, shards are sorted by (doc, start) and
+the rank's local token buffer is those shards in that order followed by its padding.
+The plan holds no timing: solve time is reported beside it so that the same request
+gives the same plan byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+from planner_service.core.model import ModelSpec
+
+PLAN_VERSION = 1
+
+
+class Shard(NamedTuple):
+    """Tokens ``[start, end)`` of document ``doc`` (doc-relative positions).
+
+    A NamedTuple: solvers create many, and tuple order is (doc, start, end).
+    """
+
+    doc: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, int]:
+        return {"doc": self.doc, "start": self.start, "end": self.end}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Metrics:
+    """Plan quality figures, all recomputable from the shards (see core/metrics.py)."""
+
+    imbalance: float
+    """Max over ranks of attention workload / mean over ranks (1.0 is perfect)."""
+    max_workload: int
+    """Query-key pairs on the busiest rank."""
+    mean_workload: float
+    comm_mode: str
+    """The exchange the runtime uses: full, compact_allgather, alltoallv or p2p_ring."""
+    comm_tokens: int
+    """KV tokens received by the rank that receives most, in ``comm_mode``, per pass."""
+    full_comm_tokens: int
+    """Same for a full exchange: (N - 1) x tokens per rank."""
+    compact_allgather_tokens: int
+    """Compact all-gather, padded to equal buffers: (N - 1) x largest buffer."""
+    alltoallv_tokens: int
+    """Exact all-to-all-v: what the neediest rank lacks of the prefixes it attends."""
+    comm_saving: float
+    """1 - comm_tokens / full_comm_tokens (0 when nothing moves either way)."""
+    comm_saving_allgather: float
+    comm_saving_alltoallv: float
+    comm_bytes: int
+    """comm_tokens in bytes per layer per pass (K and V)."""
+    full_comm_bytes: int
+    est_step_ms: float
+    """Per-layer forward+backward estimate: max over ranks of attention + comm + linear."""
+    est_attn_ms: float
+    """Attention kernel time of the rank that sets est_step_ms."""
+    est_comm_ms: float
+    """Exposed communication time of that rank."""
+    est_linear_ms: float
+    """Linear-layer time of that rank (same on every rank: equal tokens)."""
+    tokens_per_rank: int
+    """Tokens per rank including padding (the max over groups for multi-group plans)."""
+    padding_tokens: int
+    num_shards: int
+    num_split_docs: int
+    """Documents placed on more than one rank."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankStats:
+    """Per-rank figures of one group, in the group's rank order."""
+
+    tokens: tuple[int, ...]
+    """Real (non-padding) tokens per rank."""
+    workload: tuple[int, ...]
+    alltoallv_recv: tuple[int, ...]
+    """KV tokens each rank receives in the exact all-to-all-v."""
+    allgather_send: tuple[int, ...]
+    """Compact all-gather buffer each rank contributes (before padding to equal size)."""
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {f.name: list(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Group:
+    """One CP group: its ranks, its documents and the shards on each rank."""
+
+    ranks: tuple[int, ...]
+    docs: tuple[int, ...]
+    """Indices into the plan's doc_lengths, ascending."""
+    shards: tuple[tuple[Shard, ...], ...]
+    """shards[i] are the shards of ranks[i], sorted by (doc, start)."""
+    padding: tuple[int, ...]
+    """Padding tokens appended on each rank so every rank holds the same count."""
+    metrics: Metrics
+    rank_stats: RankStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ranks": list(self.ranks),
+            "docs": list(self.docs),
+            "shards": [[s.to_dict() for s in rank] for rank in self.shards],
+            "padding": list(self.padding),
+            "metrics": self.metrics.to_dict(),
+            "rank_stats": self.rank_stats.to_dict(),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A complete plan for one packed sequence (or one FCP micro-batch)."""
+
+    strategy: str
+    cp_size: int
+    doc_lengths: tuple[int, ...]
+    context_length: int | None
+    comm_mode: str
+    model: ModelSpec
+    kernel: str
+    link: str
+    groups: tuple[Group, ...]
+    metrics: Metrics
+    info: dict[str, Any]
+    """Solver extras (JSON scalars and lists), e.g. ILP status and gap, per-doc docs."""
+    plan_id: str
+
+    def body_dict(self) -> dict[str, Any]:
+        """Everything but plan_id: what the content hash covers."""
+        return {
+            "version": PLAN_VERSION,
+            "strategy": self.strategy,
+            "cp_size": self.cp_size,
+            "doc_lengths": list(self.doc_lengths),
+            "context_length": self.context_length,
+            "comm_mode": self.comm_mode,
+            "model": self.model.to_dict(),
+            "kernel": self.kernel,
+            "link": self.link,
+            "groups": [g.to_dict() for g in self.groups],
+            "metrics": self.metrics.to_dict(),
+            "info": self.info,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.body_dict(), "plan_id": self.plan_id}
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """Canonical JSON: sorted keys, no spaces; identical bytes for identical plans."""
+        if indent is None:
+            return canonical_json(self.to_dict())
+        return json.dumps(self.to_dict(), sort_keys=True, indent=indent)
+
+    def rank_shards(self, rank: int) -> tuple[Shard, ...]:
+        """Shards of a global rank; empty for a rank in no group."""
+        for group in self.groups:
+            if rank in group.ranks:
+                return group.shards[group.ranks.index(rank)]
+        return ()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Parse a plan dict; raises ValueError naming a missing or malformed field.
+
+        Only the structure is checked here; ``validate_plan`` checks the content.
+        """
+        try:
+            if data.get("version", PLAN_VERSION) != PLAN_VERSION:
+                raise ValueError(f"plan.version must be {PLAN_VERSION}, got {data['version']!r}")
+            groups = tuple(_group_from_dict(g) for g in data["groups"])
+            return cls(
+                strategy=str(data["strategy"]),
+                cp_size=int(data["cp_size"]),
+                doc_lengths=tuple(int(x) for x in data["doc_lengths"]),
+                context_length=(
+                    None if data.get("context_length") is None else int(data["context_length"])
+                ),
+                comm_mode=str(data["comm_mode"]),
+                model=ModelSpec.from_dict(dict(data["model"])),
+                kernel=str(data["kernel"]),
+                link=str(data["link"]),
+                groups=groups,
+                metrics=Metrics(**data["metrics"]),
+                info=dict(data.get("info", {})),
+                plan_id=str(data["plan_id"]),
+            )
+        except KeyError as exc:
+            raise ValueError(f"plan is missing field {exc.args[0]!r}") from None
+        except TypeError as exc:
+            raise ValueError(f"plan has a malformed field: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+
+def _group_from_dict(data: dict[str, Any]) -> Group:
+    return Group(
+        ranks=tuple(int(r) for r in data["ranks"]),
+        docs=tuple(int(d) for d in data["docs"]),
+        shards=tuple(
+            tuple(Shard(doc=int(s["doc"]), start=int(s["start"]), end=int(s["end"])) for s in rank)
+            for rank in data["shards"]
+        ),
+        padding=tuple(int(p) for p in data["padding"]),
+        metrics=Metrics(**data["metrics"]),
+        rank_stats=RankStats(**{k: tuple(v) for k, v in data["rank_stats"].items()}),
+    )
+
+
+def canonical_json(data: Any) -> str:
+    """JSON with sorted keys and no whitespace; floats use Python's shortest repr."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def content_hash(body: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of a plan body (hex)."""
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()

@@ -1,0 +1,125 @@
+"""The one plan validator, used by every test and by the solvers' self-check."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from planner_service.core.metrics import group_metrics, plan_metrics
+from planner_service.core.plan import Metrics, Plan, content_hash
+from planner_service.core.request import COMM_MODES
+
+REL_TOL = 1e-9
+"""Float metrics are recomputed by the same code; only JSON round trips may differ."""
+
+
+class PlanError(ValueError):
+    """A plan breaks an invariant; the message lists every problem found."""
+
+
+def validate_plan(plan: Plan) -> None:
+    """Check a plan's invariants; raise PlanError saying what is wrong.
+
+    Every token of every doc is placed exactly once, shards lie inside their doc,
+    every rank of a group holds the same tokens after padding, ranks are disjoint and
+    inside [0, cp_size), every metric equals its recomputation from the shards, and
+    plan_id is the content hash.
+    """
+    problems: list[str] = []
+    num_docs = len(plan.doc_lengths)
+    if plan.comm_mode not in COMM_MODES:
+        problems.append(f"comm_mode {plan.comm_mode!r} is not one of {COMM_MODES}")
+    seen_ranks: set[int] = set()
+    covered: dict[int, list[tuple[int, int, int]]] = {}
+    doc_group: dict[int, int] = {}
+    for gi, group in enumerate(plan.groups):
+        where = f"groups[{gi}]"
+        if not group.ranks:
+            problems.append(f"{where} has no ranks")
+            continue
+        if len(group.shards) != len(group.ranks) or len(group.padding) != len(group.ranks):
+            problems.append(f"{where}: shards and padding need one entry per rank")
+            continue
+        for r in group.ranks:
+            if not 0 <= r < plan.cp_size:
+                problems.append(f"{where}: rank {r} outside [0, {plan.cp_size})")
+            if r in seen_ranks:
+                problems.append(f"{where}: rank {r} is in more than one group")
+            seen_ranks.add(r)
+        held = []
+        for ri, shards in enumerate(group.shards):
+            if list(shards) != sorted(shards):
+                problems.append(f"{where} rank {group.ranks[ri]}: shards not sorted by (doc, start)")
+            for s in shards:
+                if not 0 <= s.doc < num_docs:
+                    problems.append(f"{where}: shard doc {s.doc} outside [0, {num_docs})")
+                    continue
+                if not 0 <= s.start < s.end <= plan.doc_lengths[s.doc]:
+                    problems.append(
+                        f"{where}: shard {s} outside doc {s.doc} of length {plan.doc_lengths[s.doc]}"
+                    )
+                if doc_group.setdefault(s.doc, gi) != gi:
+                    problems.append(f"doc {s.doc} is split across groups {doc_group[s.doc]} and {gi}")
+                covered.setdefault(s.doc, []).append((s.start, s.end, group.ranks[ri]))
+            held.append(sum(s.end - s.start for s in shards))
+            if group.padding[ri] < 0:
+                problems.append(f"{where} rank {group.ranks[ri]}: negative padding")
+        totals = {t + p for t, p in zip(held, group.padding, strict=True)}
+        if len(totals) > 1:
+            problems.append(f"{where}: tokens + padding differ across ranks: {sorted(totals)}")
+        docs = tuple(sorted({s.doc for shards in group.shards for s in shards}))
+        if docs != tuple(group.docs):
+            problems.append(f"{where}: docs {list(group.docs)} != docs of its shards {list(docs)}")
+    for doc, length in enumerate(plan.doc_lengths):
+        spans = sorted(covered.get(doc, []))
+        pos = 0
+        for start, end, rank in spans:
+            if start != pos:
+                kind = "placed twice" if start < pos else "missing"
+                lo, hi = sorted((start, pos))
+                problems.append(f"doc {doc}: tokens [{lo}, {hi}) {kind} (rank {rank})")
+            pos = max(pos, end)
+        if pos != length:
+            problems.append(f"doc {doc}: tokens [{pos}, {length}) missing")
+    if not problems:
+        problems += _metric_problems(plan)
+        if content_hash(plan.body_dict()) != plan.plan_id:
+            problems.append("plan_id is not the content hash of the plan")
+    if problems:
+        shown = "; ".join(problems[:20])
+        more = f" (+{len(problems) - 20} more)" if len(problems) > 20 else ""
+        raise PlanError(f"invalid plan: {shown}{more}")
+
+
+def _metric_problems(plan: Plan) -> list[str]:
+    problems = []
+    measured = []
+    for gi, group in enumerate(plan.groups):
+        metrics, stats = group_metrics(
+            group.shards,
+            group.padding,
+            comm_mode=plan.comm_mode,
+            model=plan.model,
+            kernel=plan.kernel,
+            link=plan.link,
+        )
+        measured.append((metrics, stats))
+        problems += _diff(f"groups[{gi}].metrics", group.metrics, metrics)
+        if stats != group.rank_stats:
+            problems.append(f"groups[{gi}].rank_stats differ from the recomputation {stats}")
+    problems += _diff("metrics", plan.metrics, plan_metrics(measured, plan.comm_mode))
+    return problems
+
+
+def _diff(where: str, reported: Metrics, recomputed: Metrics) -> list[str]:
+    out = []
+    for name, want in recomputed.to_dict().items():
+        got: Any = getattr(reported, name)
+        same = (
+            math.isclose(got, want, rel_tol=REL_TOL, abs_tol=1e-12)
+            if isinstance(want, float)
+            else got == want
+        )
+        if not same:
+            out.append(f"{where}.{name} = {got!r}, recomputed {want!r}")
+    return out

@@ -1,0 +1,1 @@
+"""Sharding strategies behind one registry (see registry.py)."""
