@@ -47,9 +47,8 @@ def zigzag_doc_shards(
             sizes[rank if k < n else 2 * n - 1 - rank] += 1
     starts = np.concatenate(([0], np.cumsum(sizes)))
     out = []
-    for rank in range(n):
-        for chunk in (rank, 2 * n - 1 - rank):
-            if sizes[chunk]:
-                out.append((rank, Shard(doc=doc, start=int(starts[chunk]), end=int(starts[chunk + 1]))))
-                rank_tokens[rank] += int(sizes[chunk])
+    for chunk in np.flatnonzero(sizes):
+        rank = int(chunk) if chunk < n else 2 * n - 1 - int(chunk)
+        out.append((rank, Shard(doc=doc, start=int(starts[chunk]), end=int(starts[chunk + 1]))))
+        rank_tokens[rank] += int(sizes[chunk])
     return out

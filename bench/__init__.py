@@ -1,0 +1,1 @@
+"""Benchmarks: rerunnable commands whose outputs live in bench/results/."""

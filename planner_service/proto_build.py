@@ -1,0 +1,123 @@
+"""Generate the gRPC stubs from ``proto/planner.proto`` into ``planner_service/proto_gen/``.
+
+``python -m planner_service.proto_build`` (the Makefile's ``proto`` target) regenerates
+them; :func:`load` regenerates on demand when they are missing or were made from another
+version of the proto, so a fresh clone needs no extra step. The stubs are not committed.
+
+Generation holds a file lock and replaces files atomically, so concurrent test workers
+that import the stubs at the same time see either the old or the new complete set.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+PROTO_FILE = PACKAGE_DIR.parent / "proto" / "planner.proto"
+OUT_DIR = PACKAGE_DIR / "proto_gen"
+STUB_PACKAGE = "planner_service.proto_gen"
+
+
+class Stubs(NamedTuple):
+    pb2: ModuleType
+    """Messages (planner_pb2)."""
+    pb2_grpc: ModuleType
+    """Service stub, servicer base and ``add_PlannerServicer_to_server``."""
+
+
+def proto_sha256(proto: Path = PROTO_FILE) -> str:
+    return hashlib.sha256(proto.read_bytes()).hexdigest()
+
+
+def _stamp(out: Path) -> str | None:
+    """The proto hash the stubs in ``out`` were made from, or None if they are incomplete."""
+    init = out / "__init__.py"
+    if not all((out / name).is_file() for name in ("planner_pb2.py", "planner_pb2_grpc.py")):
+        return None
+    if not init.is_file():
+        return None
+    for line in init.read_text().splitlines():
+        if line.startswith("PROTO_SHA256 = "):
+            return line.split("=", 1)[1].strip().strip('"')
+    return None
+
+
+def is_stale(proto: Path = PROTO_FILE, out: Path = OUT_DIR) -> bool:
+    """True if the stubs are missing or were generated from different proto content."""
+    if not proto.is_file():
+        return False  # an installed package without the proto source: use what is there
+    return _stamp(out) != proto_sha256(proto)
+
+
+def generate(proto: Path = PROTO_FILE, out: Path = OUT_DIR) -> None:
+    """Run protoc (grpcio-tools) and install the stubs in ``out``.
+
+    Raises RuntimeError if grpcio-tools is missing or protoc fails.
+    """
+    try:
+        from grpc_tools import protoc
+    except ImportError as exc:  # pragma: no cover - a dev dependency
+        raise RuntimeError("grpcio-tools is needed to generate the gRPC stubs: "
+                           "pip install -e '.[dev]'") from exc
+    import grpc_tools
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".proto_gen-") as tmp:
+        well_known = Path(grpc_tools.__file__).parent / "_proto"
+        code = protoc.main([
+            "grpc_tools.protoc", f"-I{proto.parent}", f"-I{well_known}",
+            f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", str(proto),
+        ])
+        if code != 0:
+            raise RuntimeError(f"protoc failed on {proto} with exit code {code}")
+        stem = proto.stem
+        grpc_file = Path(tmp) / f"{stem}_pb2_grpc.py"
+        # protoc writes a top-level import; the stubs live in a package.
+        grpc_file.write_text(grpc_file.read_text().replace(
+            f"import {stem}_pb2 as", f"from {STUB_PACKAGE} import {stem}_pb2 as"))
+        (Path(tmp) / "__init__.py").write_text(
+            f'"""Generated from {proto.name} by planner_service.proto_build; do not edit."""\n'
+            f'PROTO_SHA256 = "{proto_sha256(proto)}"\n')
+        # __init__.py last: its stamp marks the set complete.
+        for name in (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py", "__init__.py"):
+            os.replace(Path(tmp) / name, out / name)
+
+
+def ensure_stubs(proto: Path = PROTO_FILE, out: Path = OUT_DIR) -> None:
+    """Generate the stubs under a file lock if they are missing or stale."""
+    if not is_stale(proto, out):
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".proto_gen.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if is_stale(proto, out):  # another process may have finished meanwhile
+                generate(proto, out)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def load() -> Stubs:
+    """Import the stubs, generating them first when needed."""
+    ensure_stubs()
+    importlib.invalidate_caches()
+    pb2 = importlib.import_module(f"{STUB_PACKAGE}.planner_pb2")
+    pb2_grpc = importlib.import_module(f"{STUB_PACKAGE}.planner_pb2_grpc")
+    return Stubs(pb2, pb2_grpc)
+
+
+def main() -> None:
+    generate()
+    print(f"generated gRPC stubs for {PROTO_FILE.name} in {OUT_DIR}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

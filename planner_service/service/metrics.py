@@ -1,0 +1,52 @@
+"""Prometheus metrics of one service instance (its own registry, so tests can make many)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Solves take ~1 ms (heuristics) to the ILP time limit (seconds).
+SOLVE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                 10, 30, 60)
+REQUEST_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ServiceMetrics:
+    """The counters, gauges and histograms of DESIGN.md section 6, on a private registry."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "planner_requests", "Requests by transport, endpoint, strategy and outcome",
+            ("transport", "endpoint", "strategy", "status"), registry=r)
+        self.request_seconds = Histogram(
+            "planner_request_seconds", "Request latency as the server sees it",
+            ("transport", "endpoint"), buckets=REQUEST_BUCKETS, registry=r)
+        self.solve_seconds = Histogram(
+            "planner_solve_seconds", "Solver wall time (cache misses only)", ("strategy",),
+            buckets=SOLVE_BUCKETS, registry=r)
+        self.queue_depth = Gauge(
+            "planner_queue_depth", "Solves admitted and not finished (running + waiting)",
+            registry=r)
+        self.queue_capacity = Gauge(
+            "planner_queue_capacity", "Admission bound: workers + PLANNER_QUEUE_SIZE", registry=r)
+        self.rejected = Counter(
+            "planner_rejected", "Requests refused before solving", ("reason",), registry=r)
+        self.cache_hits = Counter("planner_cache_hits", "Plans served from the cache", registry=r)
+        self.cache_misses = Counter("planner_cache_misses", "Plans that needed a solve",
+                                    registry=r)
+        self.cache_entries = Gauge("planner_cache_entries", "Plans in the cache", registry=r)
+        self.fallbacks = Counter(
+            "planner_fallbacks",
+            "Local fallback plans that clients reported (X-Planner-Fallbacks header / metadata)",
+            ("reason",), registry=r)
+        self.jobs = Gauge("planner_jobs", "Jobs in the job store", registry=r)
+        self.job_batches = Gauge("planner_job_batches", "Batches in the job store", registry=r)
+        self.job_evictions = Counter("planner_job_evictions", "Job batches evicted",
+                                     ("reason",), registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,271 @@
+"""Wire types of the HTTP API (pydantic v2) and their conversion to core requests.
+
+The models check types and fixed bounds; :func:`to_plan_request` applies the operator's
+limits and the core's own validation. Every rejection is a :class:`FieldError` naming the
+field, which the HTTP edge answers with 422 and the gRPC edge with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from planner_service.core.model import ModelSpec
+from planner_service.core.plan import canonical_json
+from planner_service.core.request import COMM_MODES, MAX_CP_SIZE, MAX_TOKENS, PlanRequest
+from planner_service.service.settings import Settings
+from planner_service.solvers.registry import get_strategy
+
+REQUEST_FIELDS = (
+    "doc_lengths", "cp_size", "strategy", "context_length", "truncate", "imbalance_target",
+    "comm_mode", "model", "kernel", "link", "options", "strategies", "sequences",
+)
+
+
+class FieldError(ValueError):
+    """Bad input, with the (dotted) name of the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Limits:
+    """The operator's bounds on one request (from Settings)."""
+
+    max_docs: int
+    max_cp_size: int
+    max_tokens: int
+    max_time_limit_s: float
+    max_sequences: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        return cls(max_docs=settings.max_docs, max_cp_size=settings.max_cp_size,
+                   max_tokens=settings.max_tokens, max_time_limit_s=settings.max_time_limit_s,
+                   max_sequences=settings.max_sequences)
+
+
+DocLength = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)]
+
+
+class ModelSpecIn(BaseModel):
+    """Transformer layer shape; unset fields take the Llama-3-8B defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_heads: StrictInt | None = Field(None, ge=1, le=1 << 20)
+    num_kv_heads: StrictInt | None = Field(None, ge=1, le=1 << 20)
+    head_dim: StrictInt | None = Field(None, ge=1, le=1 << 20)
+    dtype_bytes: StrictInt | None = Field(None, ge=1, le=8)
+    hidden_size: StrictInt | None = Field(None, ge=1, le=1 << 20)
+    ffn_hidden_size: StrictInt | None = Field(None, ge=1, le=1 << 20)
+
+
+class PlanRequestIn(BaseModel):
+    """One packed sequence to shard over ``cp_size`` ranks (DESIGN.md section 5)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"doc_lengths": [4099, 37, 1023, 8191, 1, 511, 2047, 3001, 17, 6143, 733, 97, 5000],
+         "cp_size": 4, "strategy": "flashcp", "context_length": 32768}]})
+    doc_lengths: list[DocLength] = Field(min_length=1, description="Document lengths in tokens, "
+                                         "in packing order")
+    cp_size: StrictInt = Field(ge=1, le=MAX_CP_SIZE, description="CP ranks N")
+    strategy: StrictStr = Field("flashcp", max_length=64, description="See GET /v1/strategies")
+    context_length: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
+    truncate: StrictBool = False
+    imbalance_target: float = Field(1.05, ge=1.0, le=100.0, allow_inf_nan=False)
+    comm_mode: Literal[COMM_MODES] | None = None  # type: ignore[valid-type]
+    model: ModelSpecIn | None = None
+    kernel: StrictStr = Field("h100-fa3", max_length=64)
+    link: StrictStr = Field("nvlink", max_length=64)
+    options: dict[str, Any] = Field(default_factory=dict,
+                                    description="Strategy options (GET /v1/strategies)")
+
+
+class CompareRequestIn(PlanRequestIn):
+    """A plan request answered by several strategies; ``strategy`` is ignored."""
+
+    strategies: list[StrictStr] | None = Field(None, max_length=64,
+                                               description="Default: every strategy")
+
+
+class ScheduleRequestIn(BaseModel):
+    """A batch of packed sequences for FCP scheduling; other fields go to the scheduler."""
+
+    model_config = ConfigDict(extra="allow")
+    sequences: list[list[DocLength]] = Field(min_length=1)
+    cp_size: StrictInt = Field(ge=1, le=MAX_CP_SIZE)
+
+
+class Shard(BaseModel):
+    doc: int
+    start: int
+    end: int
+
+
+class GroupOut(BaseModel):
+    ranks: list[int]
+    docs: list[int]
+    shards: list[list[Shard]]
+    padding: list[int]
+    metrics: dict[str, Any]
+    rank_stats: dict[str, list[int]]
+
+
+class PlanOut(BaseModel):
+    """The plan contract (core/plan.py): canonical JSON, identical over HTTP and gRPC."""
+
+    version: int
+    strategy: str
+    cp_size: int
+    doc_lengths: list[int]
+    context_length: int | None
+    comm_mode: str
+    model: dict[str, int]
+    kernel: str
+    link: str
+    groups: list[GroupOut]
+    metrics: dict[str, Any]
+    info: dict[str, Any]
+    plan_id: str
+
+
+class CompareEntry(BaseModel):
+    strategy: str
+    plan: PlanOut
+    solve_ms: float
+    cached: bool
+
+
+class CompareOut(BaseModel):
+    results: list[CompareEntry]
+    errors: dict[str, str] = Field(description="strategy -> why it gave no plan")
+
+
+class StrategyOut(BaseModel):
+    name: str
+    description: str
+    comm_mode: str
+    options: dict[str, str]
+
+
+class JobStatusOut(BaseModel):
+    job: str
+    batch: str
+    status: Literal["pending", "done", "failed"]
+    request_hash: str
+    plan_id: str | None = None
+
+
+class ErrorOut(BaseModel):
+    detail: str
+    field: str | None = None
+
+
+# ---- conversion -------------------------------------------------------------------------
+
+_LEADING_FIELD = re.compile(r"^(?:options )?([a-z_]+(?:\.[a-z_]+)?)")
+
+
+def field_of(message: str) -> str:
+    """Best guess of the request field a core ValueError message is about."""
+    match = _LEADING_FIELD.match(message)
+    if match is None:
+        return "body"
+    name = match.group(1)
+    if name.split(".")[0] in REQUEST_FIELDS:
+        return name
+    if message.startswith("doc of length") or message.startswith("options"):
+        return "doc_lengths" if message.startswith("doc") else "options"
+    return "body"
+
+
+def validation_message(exc: ValidationError) -> FieldError:
+    """The first pydantic error as a FieldError: 'doc_lengths.3: Input should be ...'."""
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err["loc"] if p != "body") or "body"
+    return FieldError(loc, f"{loc}: {err['msg']}")
+
+
+def to_plan_request(body: PlanRequestIn, limits: Limits, *, strategy: str | None = None,
+                    ) -> PlanRequest:
+    """Apply the operator's limits and build the core request; raises FieldError."""
+    n = len(body.doc_lengths)
+    if n > limits.max_docs:
+        raise FieldError("doc_lengths", f"doc_lengths has {n} documents, above the limit "
+                         f"{limits.max_docs} (PLANNER_MAX_DOCS)")
+    total = sum(body.doc_lengths)
+    if total > limits.max_tokens:
+        raise FieldError("doc_lengths", f"doc_lengths sum to {total} tokens, above the limit "
+                         f"{limits.max_tokens} (PLANNER_MAX_TOKENS)")
+    if body.cp_size > limits.max_cp_size:
+        raise FieldError("cp_size", f"cp_size must be in [1, {limits.max_cp_size}] "
+                         f"(PLANNER_MAX_CP_SIZE), got {body.cp_size}")
+    limit = body.options.get("time_limit_s")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                              or not 0 < limit <= limits.max_time_limit_s):
+        raise FieldError("options.time_limit_s", f"options.time_limit_s must be a number in "
+                         f"(0, {limits.max_time_limit_s}] (PLANNER_MAX_TIME_LIMIT_S), "
+                         f"got {limit!r}")
+    try:
+        model = ModelSpec(**body.model.model_dump(exclude_none=True)) if body.model else ModelSpec()
+        return PlanRequest(
+            doc_lengths=tuple(body.doc_lengths), cp_size=body.cp_size,
+            strategy=strategy or body.strategy, context_length=body.context_length,
+            truncate=body.truncate, imbalance_target=body.imbalance_target,
+            comm_mode=body.comm_mode, model=model, kernel=body.kernel, link=body.link,
+            options=dict(body.options),
+        )
+    except ValueError as exc:
+        raise FieldError(field_of(str(exc)), str(exc)) from None
+
+
+def check_strategy(request: PlanRequest) -> None:
+    """Reject an unknown strategy or an option it does not declare, before any queueing."""
+    try:
+        strategy = get_strategy(request.strategy)
+    except ValueError as exc:
+        raise FieldError("strategy", str(exc)) from None
+    unknown = sorted(set(request.options) - set(strategy.options))
+    if unknown:
+        raise FieldError("options", f"options {unknown} are not options of strategy "
+                         f"{strategy.name!r}; valid: {sorted(strategy.options) or 'none'}")
+
+
+def parse_plan_request(data: Any, limits: Limits) -> PlanRequest:
+    """Validate a JSON-like dict (the gRPC edge's path); raises FieldError."""
+    try:
+        body = PlanRequestIn.model_validate(data)
+    except ValidationError as exc:
+        raise validation_message(exc) from None
+    request = to_plan_request(body, limits)
+    check_strategy(request)
+    return request
+
+
+def request_dict(request: PlanRequest) -> dict[str, Any]:
+    """Every field of a core request, defaults included, as JSON-able data."""
+    return {
+        "doc_lengths": list(request.doc_lengths), "cp_size": request.cp_size,
+        "strategy": request.strategy, "context_length": request.context_length,
+        "truncate": request.truncate, "imbalance_target": request.imbalance_target,
+        "comm_mode": request.comm_mode, "model": request.model.to_dict(),
+        "kernel": request.kernel, "link": request.link, "options": dict(request.options),
+    }
+
+
+def request_key(request: PlanRequest) -> str:
+    """Content hash of a request: equal for requests that must give the same plan.
+
+    Raises FieldError if the options are not JSON data.
+    """
+    try:
+        text = canonical_json(request_dict(request))
+    except (TypeError, ValueError) as exc:
+        raise FieldError("options", f"options must be JSON data: {exc}") from None
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,84 @@
+"""Service settings from ``PLANNER_*`` environment variables (pydantic-settings).
+
+Built by :func:`load_settings`, never at import time, so tests and the CLI can override
+any field. Every name here is documented in docs/service.md; deploy manifests use them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from planner_service.core.request import MAX_CP_SIZE, MAX_TOKENS
+
+
+def _default_workers() -> int:
+    # One core stays with the event loop (HTTP, gRPC, JSON); the rest solve.
+    return max(1, min(8, (os.cpu_count() or 2) - 1))
+
+
+class Settings(BaseSettings):
+    """Everything an operator can set; env prefix ``PLANNER_`` (e.g. ``PLANNER_HTTP_PORT``)."""
+
+    model_config = SettingsConfigDict(env_prefix="PLANNER_", extra="ignore", frozen=True)
+
+    host: str = "127.0.0.1"
+    """Address both servers bind to; localhost unless an operator opens it up."""
+    http_port: int = Field(8000, ge=0, le=65535)
+    """HTTP port (0: any free port)."""
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    """gRPC port (0: any free port; -1 is not allowed, set grpc_enabled=false instead)."""
+    grpc_enabled: bool = True
+    workers: int = Field(default_factory=_default_workers, ge=0, le=256)
+    """Solver processes; 0 solves in one thread of the server process (tests, debugging)."""
+    queue_size: int = Field(64, ge=0, le=100_000)
+    """Solves that may wait beyond one per worker; more answer 429 / RESOURCE_EXHAUSTED."""
+    request_timeout_s: float = Field(10.0, gt=0, le=3600)
+    """Deadline of one solve, queueing included, unless the caller asks for less."""
+    max_docs: int = Field(65_536, ge=1, le=10_000_000)
+    """Documents per request (per sequence for /v1/schedule)."""
+    max_cp_size: int = Field(1024, ge=1, le=MAX_CP_SIZE)
+    max_tokens: int = Field(16 * 2**20, ge=1, le=MAX_TOKENS)
+    """Total tokens of one request."""
+    max_sequences: int = Field(1024, ge=1, le=1_000_000)
+    """Sequences of one /v1/schedule batch."""
+    max_time_limit_s: float = Field(30.0, gt=0, le=3600)
+    """Largest ``options.time_limit_s`` a caller may ask of a strategy (e.g. ilp)."""
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, le=2**31)
+    """HTTP request bodies and gRPC messages above this answer 413 / RESOURCE_EXHAUSTED."""
+    max_wait_ms: int = Field(30_000, ge=0, le=600_000)
+    """Longest long-poll of GET /v1/jobs/{job}/batches/{batch}."""
+    token: SecretStr | None = None
+    """Bearer token required on every endpoint but /healthz, /readyz and the static page."""
+    job_ttl_s: float = Field(600.0, gt=0, le=7 * 86400)
+    """Finished job batches are dropped this long after they finish."""
+    max_jobs: int = Field(1024, ge=1, le=1_000_000)
+    """Jobs tracked at once; the least recently used job is evicted beyond it."""
+    max_batches_per_job: int = Field(8, ge=1, le=10_000)
+    """Batches kept per job; a job's oldest batches are evicted beyond it."""
+    job_memory_mb: float = Field(256.0, gt=0, le=1_000_000)
+    """Bound on the plan bytes the job store holds; oldest finished batches go first."""
+    cache_size: int = Field(4096, ge=0, le=10_000_000)
+    """Plans kept in the content-hash cache (0 disables it)."""
+    shutdown_grace_s: float = Field(10.0, ge=0, le=3600)
+    """On SIGTERM: readiness turns false, then in-flight requests get this long to finish."""
+    log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.grpc_enabled and self.http_port and self.http_port == self.grpc_port:
+            raise ValueError(f"http_port and grpc_port must differ, both are {self.http_port}")
+        return self
+
+    def token_value(self) -> str | None:
+        return self.token.get_secret_value() if self.token is not None else None
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read the environment, then apply ``overrides`` (field name -> value).
+
+    Raises pydantic.ValidationError naming the variable for a bad value.
+    """
+    return Settings(**overrides)  # type: ignore[arg-type]
