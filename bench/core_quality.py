@@ -25,7 +25,9 @@ from planner_service.data import make_source, pack_sequences
 STRATEGIES = ("llama3", "per_doc", "ring", "zigzag", "flashcp")
 # The core issue's targets for flashcp at R = 1.05, checked and printed as PASS/FAIL.
 TARGETS = {
-    ("wlbllm", 4): dict(imbalance_mean=1.02, imbalance_p99=1.05, saving_alltoallv=0.80, saving_allgather=0.75),
+    ("wlbllm", 4): dict(
+        imbalance_mean=1.02, imbalance_p99=1.05, saving_alltoallv=0.80, saving_allgather=0.75
+    ),
     ("code", 8): dict(imbalance_p99=1.05, saving_alltoallv=0.30),
 }
 SOLVE_MS_TARGET = 1.0
@@ -36,15 +38,21 @@ def check_targets(dataset: str, n: int, s: StrategySummary) -> list[str]:
     for field, bound in TARGETS.get((dataset, n), {}).items():
         value = getattr(s, field)
         ok = value <= bound if field.startswith("imbalance") else value >= bound
-        out.append(f"{field} {value:.4f} {'<=' if field.startswith('imbalance') else '>='} {bound}: "
-                   f"{'PASS' if ok else 'FAIL'}")
+        out.append(
+            f"{field} {value:.4f} {'<=' if field.startswith('imbalance') else '>='} {bound}: "
+            f"{'PASS' if ok else 'FAIL'}"
+        )
     ok = s.solve_ms_median < SOLVE_MS_TARGET
-    out.append(f"solve_ms_median {s.solve_ms_median:.3f} < {SOLVE_MS_TARGET}: {'PASS' if ok else 'FAIL'}")
+    out.append(
+        f"solve_ms_median {s.solve_ms_median:.3f} < {SOLVE_MS_TARGET}: {'PASS' if ok else 'FAIL'}"
+    )
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", type=int, default=1000)
     parser.add_argument("--datasets", default="wlbllm,code")
     parser.add_argument("--cp", default="4,8")
@@ -66,10 +74,16 @@ def main() -> None:
     ]
     started = time.time()
     for dataset in args.datasets.split(","):
-        sequences = pack_sequences(make_source(dataset), context_length=args.context,
-                                   num_sequences=args.batches, seed=args.seed)
+        sequences = pack_sequences(
+            make_source(dataset),
+            context_length=args.context,
+            num_sequences=args.batches,
+            seed=args.seed,
+        )
         for n in (int(x) for x in args.cp.split(",")):
-            base = PlanRequest(doc_lengths=tuple(sequences[0]), cp_size=n, context_length=args.context)
+            base = PlanRequest(
+                doc_lengths=tuple(sequences[0]), cp_size=n, context_length=args.context
+            )
             summaries = compare(STRATEGIES, sequences, base)
             lines += [
                 f"## {dataset}, N = {n}, {len(sequences)} packed {args.context}-token sequences",
@@ -86,7 +100,7 @@ def main() -> None:
                 )
             flashcp = next(s for s in summaries if s.strategy == "flashcp")
             lines += ["", "flashcp targets: " + "; ".join(check_targets(dataset, n, flashcp)), ""]
-            print("\n".join(lines[-len(summaries) - 6:]), flush=True)
+            print("\n".join(lines[-len(summaries) - 6 :]), flush=True)
     lines.append(f"Total wall time {time.time() - started:.0f} s.")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")

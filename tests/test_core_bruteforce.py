@@ -44,7 +44,7 @@ def test_brute_force_itself_on_hand_cases():
     # Explicit enumeration agrees on a small case.
     weights = [1, 2, 3, 1, 2]
     exact = min(
-        max(sum(w for w, r in zip(weights, a) if r == k) for k in range(2))
+        max(sum(w for w, r in zip(weights, a, strict=True) if r == k) for k in range(2))
         for a in product(range(2), repeat=5)
         if all(sum(1 for r in a if r == k) <= 3 for k in range(2))
     )

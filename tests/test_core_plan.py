@@ -56,7 +56,9 @@ def test_plan_id_identical_across_processes():
     ids = []
     for seed in ("1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
         ids.append(out.stdout.strip())
     local = ",".join(solve(debug_request(strategy=s)).plan_id for s in CORE_STRATEGIES)
     assert ids[0] == ids[1] == local

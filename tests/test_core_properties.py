@@ -12,7 +12,9 @@ from planner_service import PlanRequest, solve, validate_plan
 from planner_service.solvers.registry import strategy_names
 
 # The ILP and FCP have their own property tests (they are slower per example).
-FAST_STRATEGIES = [s for s in ("llama3", "per_doc", "ring", "zigzag", "flashcp") if s in strategy_names()]
+FAST_STRATEGIES = [
+    s for s in ("llama3", "per_doc", "ring", "zigzag", "flashcp") if s in strategy_names()
+]
 
 small_n = st.integers(min_value=1, max_value=17)
 any_n = st.integers(min_value=1, max_value=1024)
@@ -22,9 +24,9 @@ inputs = st.one_of(
     st.tuples(st.lists(st.integers(1, 50_000), min_size=1, max_size=40), any_n),
     # One huge doc among small ones.
     st.tuples(
-        st.tuples(st.integers(100_000, 1_000_000), st.lists(st.integers(1, 2_000), max_size=20)).map(
-            lambda t: [t[0], *t[1]]
-        ),
+        st.tuples(
+            st.integers(100_000, 1_000_000), st.lists(st.integers(1, 2_000), max_size=20)
+        ).map(lambda t: [t[0], *t[1]]),
         small_n,
     ),
     # Thousands of 1-token docs.
@@ -36,19 +38,35 @@ inputs = st.one_of(
 )
 
 
-@pytest.mark.parametrize("strategy", FAST_STRATEGIES)
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-          derandomize=True)
-@given(case=inputs)
-def test_every_plan_passes_the_validator(strategy, case):
+def check_case(strategy, case):
     doc_lengths, cp_size = case
-    plan = solve(PlanRequest(doc_lengths=doc_lengths, cp_size=cp_size, strategy=strategy), check=False)
+    plan = solve(
+        PlanRequest(doc_lengths=doc_lengths, cp_size=cp_size, strategy=strategy), check=False
+    )
     validate_plan(plan)
     assert plan.cp_size == cp_size
     group = plan.groups[0]
     tokens = sum(doc_lengths)
     assert sum(group.rank_stats.tokens) == tokens
-    # Padding is explicit and never more than one chunk's worth per rank.
+    # Padding is explicit and small: at most a few tokens per doc above ceil(S / N).
     assert plan.metrics.tokens_per_rank <= -(-tokens // cp_size) + 2 * len(doc_lengths) + 2
     assert plan.metrics.imbalance >= 1.0 - 1e-12
     assert 0.0 <= plan.metrics.comm_saving_alltoallv <= 1.0
+
+
+@pytest.mark.parametrize("strategy", FAST_STRATEGIES)
+@settings(
+    max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(case=inputs)
+def test_every_plan_passes_the_validator(strategy, case):
+    check_case(strategy, case)
+
+
+# auto runs three solvers per example: fewer examples, same properties.
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(case=inputs)
+def test_auto_plans_pass_the_validator(case):
+    check_case("auto", case)

@@ -45,7 +45,9 @@ def test_rejects_doc_longer_than_context():
 
 
 def test_allows_truncation_when_asked_and_records_it():
-    plan = solve(PlanRequest(doc_lengths=[60, 60, 30], cp_size=2, context_length=100, truncate=True))
+    plan = solve(
+        PlanRequest(doc_lengths=[60, 60, 30], cp_size=2, context_length=100, truncate=True)
+    )
     assert plan.doc_lengths == (60, 40)
     assert plan.info["truncated_tokens"] == 50
 
@@ -62,7 +64,11 @@ def test_rejects_unknown_option():
 
 @pytest.mark.parametrize(
     "changes,field",
-    [({"num_kv_heads": 5}, "num_kv_heads"), ({"head_dim": 0}, "head_dim"), ({"dtype_bytes": 3}, "dtype_bytes")],
+    [
+        ({"num_kv_heads": 5}, "num_kv_heads"),
+        ({"head_dim": 0}, "head_dim"),
+        ({"dtype_bytes": 3}, "dtype_bytes"),
+    ],
 )
 def test_rejects_bad_model(changes, field):
     with pytest.raises(ValueError, match=field):

@@ -22,7 +22,9 @@ def with_shards(plan, shards, padding=None):
 
 @pytest.fixture
 def plan():
-    return solve(debug_request(doc_lengths=(10, 6), cp_size=2, context_length=None, strategy="llama3"))
+    return solve(
+        debug_request(doc_lengths=(10, 6), cp_size=2, context_length=None, strategy="llama3")
+    )
 
 
 def test_accepts_solver_output(plan):

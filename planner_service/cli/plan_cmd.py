@@ -19,16 +19,22 @@ from planner_service.solvers.registry import strategy_names, timed_solve
 # Wide enough for the tables when piped (rich defaults to 80 columns without a terminal).
 console = Console(width=None if Console().is_terminal else 150)
 
-Docs = Annotated[str | None, typer.Option("--docs", help="Comma-separated doc lengths, e.g. 1000,5000,37")]
+Docs = Annotated[
+    str | None, typer.Option("--docs", help="Comma-separated doc lengths, e.g. 1000,5000,37")
+]
 Dataset = Annotated[
     str | None,
     typer.Option(help="Sample packed sequences instead: wlbllm, code, family:pile, file:PATH ..."),
 ]
 Cp = Annotated[int, typer.Option("--cp", help="CP size N (ranks)")]
-Context = Annotated[int | None, typer.Option(help="Context window C (tokens); required with --dataset")]
+Context = Annotated[
+    int | None, typer.Option(help="Context window C (tokens); required with --dataset")
+]
 Target = Annotated[float, typer.Option("--imbalance-target", "-R", help="Target imbalance R")]
 Seed = Annotated[int, typer.Option(help="Seed for --dataset sampling")]
-Url = Annotated[str | None, typer.Option(help="Ask a running planner service instead of solving locally")]
+Url = Annotated[
+    str | None, typer.Option(help="Ask a running planner service instead of solving locally")
+]
 
 
 def _fail(message: str) -> typer.Exit:
@@ -36,7 +42,9 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _sequences(docs: str | None, dataset: str | None, context: int | None, batches: int, seed: int) -> list[list[int]]:
+def _sequences(
+    docs: str | None, dataset: str | None, context: int | None, batches: int, seed: int
+) -> list[list[int]]:
     if (docs is None) == (dataset is None):
         raise _fail("give exactly one of --docs or --dataset")
     if docs is not None:
@@ -46,9 +54,11 @@ def _sequences(docs: str | None, dataset: str | None, context: int | None, batch
             raise _fail(f"--docs must be comma-separated integers, got {docs!r}") from None
     from planner_service.data import make_source, pack_sequences
 
-    if context is None:
+    if context is None or dataset is None:
         raise _fail("--dataset needs --context (e.g. 131072)")
-    return pack_sequences(make_source(dataset), context_length=context, num_sequences=batches, seed=seed)
+    return pack_sequences(
+        make_source(dataset), context_length=context, num_sequences=batches, seed=seed
+    )
 
 
 def _rank_table(plan: Plan) -> Table:
@@ -84,7 +94,10 @@ def _metrics_table(plan: Plan) -> Table:
         ("saving, compact all-gather", f"{m.comm_saving_allgather:.1%}"),
         ("saving, all-to-all-v", f"{m.comm_saving_alltoallv:.1%}"),
         ("est. per-layer fwd+bwd", f"{m.est_step_ms:.3f} ms"),
-        ("  attention / comm / linear", f"{m.est_attn_ms:.3f} / {m.est_comm_ms:.3f} / {m.est_linear_ms:.3f}"),
+        (
+            "  attention / comm / linear",
+            f"{m.est_attn_ms:.3f} / {m.est_comm_ms:.3f} / {m.est_linear_ms:.3f}",
+        ),
         ("padding tokens", str(m.padding_tokens)),
         ("split docs", str(m.num_split_docs)),
     ]
@@ -98,11 +111,15 @@ def plan(
     docs: Docs = None,
     dataset: Dataset = None,
     cp: Cp = 8,
-    strategy: Annotated[str, typer.Option(help="Strategy name (see `planner compare`)")] = "flashcp",
+    strategy: Annotated[
+        str, typer.Option(help="Strategy name (see `planner compare`)")
+    ] = "flashcp",
     context: Context = None,
     truncate: Annotated[bool, typer.Option(help="Cut the lengths at the context window")] = False,
     imbalance_target: Target = 1.05,
-    comm_mode: Annotated[str | None, typer.Option(help="full, compact_allgather, alltoallv, p2p_ring")] = None,
+    comm_mode: Annotated[
+        str | None, typer.Option(help="full, compact_allgather, alltoallv, p2p_ring")
+    ] = None,
     kernel: Annotated[str, typer.Option(help="Kernel profile")] = "h100-fa3",
     link: Annotated[str, typer.Option(help="Link profile")] = "nvlink",
     seed: Seed = 0,
@@ -113,9 +130,15 @@ def plan(
     seq = _sequences(docs, dataset, context, 1, seed)[0]
     try:
         request = PlanRequest(
-            doc_lengths=tuple(seq), cp_size=cp, strategy=strategy, context_length=context,
-            truncate=truncate, imbalance_target=imbalance_target, comm_mode=comm_mode,
-            kernel=kernel, link=link,
+            doc_lengths=tuple(seq),
+            cp_size=cp,
+            strategy=strategy,
+            context_length=context,
+            truncate=truncate,
+            imbalance_target=imbalance_target,
+            comm_mode=comm_mode,
+            kernel=kernel,
+            link=link,
         )
         if url:
             from planner_service.client import remote_plan
@@ -136,14 +159,29 @@ def plan(
 
 def _summary_table(summaries: list[StrategySummary], title: str) -> Table:
     table = Table(title=title)
-    for col in ("strategy", "imbalance mean", "imbalance p99", "saving (own)", "saving all-gather",
-                "saving all-to-all-v", "est. ms/layer", "solve ms p50", "solve ms p99"):
+    for col in (
+        "strategy",
+        "imbalance mean",
+        "imbalance p99",
+        "saving (own)",
+        "saving all-gather",
+        "saving all-to-all-v",
+        "est. ms/layer",
+        "solve ms p50",
+        "solve ms p99",
+    ):
         table.add_column(col, justify="right")
     for s in summaries:
         table.add_row(
-            s.strategy, f"{s.imbalance_mean:.4f}", f"{s.imbalance_p99:.4f}", f"{s.saving:.1%}",
-            f"{s.saving_allgather:.1%}", f"{s.saving_alltoallv:.1%}", f"{s.est_step_ms:.3f}",
-            f"{s.solve_ms_median:.3f}", f"{s.solve_ms_p99:.3f}",
+            s.strategy,
+            f"{s.imbalance_mean:.4f}",
+            f"{s.imbalance_p99:.4f}",
+            f"{s.saving:.1%}",
+            f"{s.saving_allgather:.1%}",
+            f"{s.saving_alltoallv:.1%}",
+            f"{s.est_step_ms:.3f}",
+            f"{s.solve_ms_median:.3f}",
+            f"{s.solve_ms_p99:.3f}",
         )
     return table
 
@@ -154,26 +192,44 @@ def compare_cmd(
     dataset: Dataset = None,
     batches: Annotated[int, typer.Option(help="Sequences to sample with --dataset")] = 20,
     cp: Cp = 8,
-    strategies: Annotated[str | None, typer.Option(help="Comma-separated subset (default: all)")] = None,
+    strategies: Annotated[
+        str | None, typer.Option(help="Comma-separated subset (default: all)")
+    ] = None,
     context: Context = None,
     imbalance_target: Target = 1.05,
     seed: Seed = 0,
-    plot: Annotated[str | None, typer.Option(help="Also draw the comparison to this PNG file")] = None,
+    plot: Annotated[
+        str | None, typer.Option(help="Also draw the comparison to this PNG file")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print summaries as JSON")] = False,
     url: Url = None,
 ) -> None:
     """Every strategy side by side for one input or N sampled batches of a data set."""
     sequences = _sequences(docs, dataset, context, batches, seed)
-    names = strategies.split(",") if strategies else [s for s in strategy_names() if s not in ("ilp", "fcp")]
+    names = (
+        strategies.split(",")
+        if strategies
+        else [s for s in strategy_names() if s not in ("ilp", "fcp")]
+    )
     try:
         if url:
             from planner_service.client import remote_compare
 
-            summaries = remote_compare(url, sequences, cp_size=cp, strategies=names,
-                                       context_length=context, imbalance_target=imbalance_target)
+            summaries = remote_compare(
+                url,
+                sequences,
+                cp_size=cp,
+                strategies=names,
+                context_length=context,
+                imbalance_target=imbalance_target,
+            )
         else:
-            base = PlanRequest(doc_lengths=tuple(sequences[0]), cp_size=cp, context_length=context,
-                               imbalance_target=imbalance_target)
+            base = PlanRequest(
+                doc_lengths=tuple(sequences[0]),
+                cp_size=cp,
+                context_length=context,
+                imbalance_target=imbalance_target,
+            )
             summaries = compare(names, sequences, base)
     except ValueError as exc:
         raise _fail(str(exc)) from None

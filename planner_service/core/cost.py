@@ -101,9 +101,7 @@ def full_exchange_tokens(num_ranks: int, tokens_per_rank: int) -> int:
     return (num_ranks - 1) * tokens_per_rank
 
 
-def recv_tokens_by_mode(
-    mode: str, volumes: CommVolumes, tokens_per_rank: int
-) -> tuple[int, ...]:
+def recv_tokens_by_mode(mode: str, volumes: CommVolumes, tokens_per_rank: int) -> tuple[int, ...]:
     """Per-rank tokens received in ``mode``."""
     n = len(volumes.alltoallv_recv)
     if mode in ("full", "p2p_ring"):

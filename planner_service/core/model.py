@@ -32,7 +32,9 @@ class ModelSpec:
             if type(value) is not int or not 1 <= value <= 1 << 20:
                 raise ValueError(f"model.{name} must be an integer in [1, 1048576], got {value!r}")
         if type(self.dtype_bytes) is not int or self.dtype_bytes not in (1, 2, 4, 8):
-            raise ValueError(f"model.dtype_bytes must be one of 1, 2, 4, 8, got {self.dtype_bytes!r}")
+            raise ValueError(
+                f"model.dtype_bytes must be one of 1, 2, 4, 8, got {self.dtype_bytes!r}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_kv_heads ({self.num_kv_heads}) must divide "

@@ -90,7 +90,9 @@ class PlanRequest:
             raise ValueError(f"imbalance_target must be in [1, 100], got {r}")
         object.__setattr__(self, "imbalance_target", float(r))
         if self.comm_mode is not None and self.comm_mode not in COMM_MODES:
-            raise ValueError(f"comm_mode must be one of {', '.join(COMM_MODES)}, got {self.comm_mode!r}")
+            raise ValueError(
+                f"comm_mode must be one of {', '.join(COMM_MODES)}, got {self.comm_mode!r}"
+            )
         if not isinstance(self.model, ModelSpec):
             raise ValueError("model must be a ModelSpec")
         get_kernel_profile(self.kernel)

@@ -49,7 +49,9 @@ def validate_plan(plan: Plan) -> None:
         held = []
         for ri, shards in enumerate(group.shards):
             if list(shards) != sorted(shards):
-                problems.append(f"{where} rank {group.ranks[ri]}: shards not sorted by (doc, start)")
+                problems.append(
+                    f"{where} rank {group.ranks[ri]}: shards not sorted by (doc, start)"
+                )
             for s in shards:
                 if not 0 <= s.doc < num_docs:
                     problems.append(f"{where}: shard doc {s.doc} outside [0, {num_docs})")
@@ -59,7 +61,9 @@ def validate_plan(plan: Plan) -> None:
                         f"{where}: shard {s} outside doc {s.doc} of length {plan.doc_lengths[s.doc]}"
                     )
                 if doc_group.setdefault(s.doc, gi) != gi:
-                    problems.append(f"doc {s.doc} is split across groups {doc_group[s.doc]} and {gi}")
+                    problems.append(
+                        f"doc {s.doc} is split across groups {doc_group[s.doc]} and {gi}"
+                    )
                 covered.setdefault(s.doc, []).append((s.start, s.end, group.ranks[ri]))
             held.append(sum(s.end - s.start for s in shards))
             if group.padding[ri] < 0:

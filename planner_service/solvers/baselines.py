@@ -24,7 +24,9 @@ def llama3_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
     ranks: list[list[Shard]] = [[] for _ in range(n)]
     for rank in range(n):
         for c in (rank, 2 * n - 1 - rank):
-            ranks[rank] += global_range_shards(offsets, min(c * chunk, total), min((c + 1) * chunk, total))
+            ranks[rank] += global_range_shards(
+                offsets, min(c * chunk, total), min((c + 1) * chunk, total)
+            )
     return Layout(groups=[GroupLayout(tuple(range(n)), ranks)], info={})
 
 

@@ -107,8 +107,11 @@ def _load_optional() -> None:
     """Import strategy modules that register themselves (ilp, fcp, auto) if present."""
     import importlib
 
-    for module in ("planner_service.solvers.ilp", "planner_service.solvers.fcp_strategy",
-                   "planner_service.solvers.auto"):
+    for module in (
+        "planner_service.solvers.ilp",
+        "planner_service.solvers.fcp_strategy",
+        "planner_service.solvers.auto",
+    ):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -116,34 +119,44 @@ def _load_optional() -> None:
                 raise
 
 
-register(Strategy(
-    name="llama3",
-    description="Llama 3 CP: packed sequence in 2N equal chunks, chunk i and 2N-1-i on rank i; full all-gather",
-    solver=llama3_layout,
-    comm_mode="full",
-))
-register(Strategy(
-    name="per_doc",
-    description="Per-Doc CP (WLB-LLM): every doc in 2N chunks, zigzag per doc; full all-gather",
-    solver=per_doc_layout,
-    comm_mode="full",
-))
-register(Strategy(
-    name="ring",
-    description="Ring attention: packed sequence in N contiguous chunks; P2P ring exchange",
-    solver=ring_layout,
-    comm_mode="p2p_ring",
-))
-register(Strategy(
-    name="zigzag",
-    description="Zigzag ring attention (ring-flash-attention varlen): per-doc zigzag; P2P ring exchange",
-    solver=per_doc_layout,
-    comm_mode="p2p_ring",
-))
-register(Strategy(
-    name="flashcp",
-    description="FlashCP Algorithm 1: LPT whole docs, adaptive Whole-Doc splits, Per-Doc for the "
-    "longest docs until imbalance <= R; compact exchange",
-    solver=flashcp_layout,
-    comm_mode="alltoallv",
-))
+register(
+    Strategy(
+        name="llama3",
+        description="Llama 3 CP: packed sequence in 2N equal chunks, chunk i and 2N-1-i on rank i; full all-gather",
+        solver=llama3_layout,
+        comm_mode="full",
+    )
+)
+register(
+    Strategy(
+        name="per_doc",
+        description="Per-Doc CP (WLB-LLM): every doc in 2N chunks, zigzag per doc; full all-gather",
+        solver=per_doc_layout,
+        comm_mode="full",
+    )
+)
+register(
+    Strategy(
+        name="ring",
+        description="Ring attention: packed sequence in N contiguous chunks; P2P ring exchange",
+        solver=ring_layout,
+        comm_mode="p2p_ring",
+    )
+)
+register(
+    Strategy(
+        name="zigzag",
+        description="Zigzag ring attention (ring-flash-attention varlen): per-doc zigzag; P2P ring exchange",
+        solver=per_doc_layout,
+        comm_mode="p2p_ring",
+    )
+)
+register(
+    Strategy(
+        name="flashcp",
+        description="FlashCP Algorithm 1: LPT whole docs, adaptive Whole-Doc splits, Per-Doc for the "
+        "longest docs until imbalance <= R; compact exchange",
+        solver=flashcp_layout,
+        comm_mode="alltoallv",
+    )
+)
