@@ -1,0 +1,252 @@
+"""FCP entry points: the global-batch planner and ``schedule(request) -> FcpResult``.
+
+``plan_global_batch`` splits a global batch into micro-batches of at most ``N * E``
+tokens (the paper's micro-batch planner) and runs stage 1 + stage 2 on each;
+``schedule`` adds rank ranges and one validated Plan per micro-batch.
+
+Splitting: cost-balanced packing (LPT, packing.balanced_pack) into micro-batches of
+``N * E`` tokens, so long sequences spread over the micro-batches. The count is chosen
+among the least that holds the tokens and the next three (a micro-batch filled to the
+last token leaves stage 1 no slack, and one dominant sequence may want a micro-batch
+with fewer others), by total makespan. With ``search="portfolio"`` every count is first
+screened with the static-degree groupings and one group alone (an upper bound of FCP's
+answer, and the baselines' own candidates), and the paper's stage 1 runs on the best
+count only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from planner_service.fcp.baselines import SeqStats, serial_cost
+from planner_service.fcp.cost_model import DEFAULT_PROFILE, FcpProfile, get_profile
+from planner_service.fcp.grouping import (
+    Grouping,
+    Scored,
+    best,
+    check_options,
+    finish,
+    memory_error,
+    paper_groupings,
+    redo_with_dp,
+    score,
+    static_family,
+)
+from planner_service.fcp.layout import micro_batch_plan, place_groups
+from planner_service.fcp.packing import balanced_pack, descending
+from planner_service.fcp.requests import (
+    FcpResult,
+    MicroBatchSchedule,
+    ScheduledGroup,
+    ScheduleRequest,
+    check_sequences,
+)
+
+MAX_EXTRA_MICRO_BATCHES = 2
+"""Micro-batch counts tried: the least that holds the tokens and the next three."""
+FINALISTS = 1
+
+"""Counts that get the paper's stage 1 after the static-grouping screen (portfolio)."""
+
+
+def sequence_stats(
+    sequences: Sequence[Sequence[int]], full_attention: Sequence[bool], profile: FcpProfile
+) -> SeqStats:
+    """Tokens and attention units (eq. 8: ``(1 + eta) sum L^2``) of every sequence."""
+    lengths = np.fromiter((x for s in sequences for x in s), dtype=np.float64)
+    starts = np.cumsum([0] + [len(s) for s in sequences[:-1]])
+    tokens = np.add.reduceat(lengths, starts).astype(np.int64)
+    units = np.add.reduceat(lengths * lengths, starts)
+    if any(full_attention):
+        units = units * (1.0 + profile.eta_full * np.asarray(full_attention, dtype=np.float64))
+    return SeqStats(tokens, units)
+
+
+def split_micro_batches(
+    stats: SeqStats, count: int, capacity: int, profile: FcpProfile
+) -> list[list[int]] | None:
+    """LPT by cost into ``count`` micro-batches of ``capacity`` tokens; None if one does
+    not fit. Micro-batches hold ascending sequence ids; empty ones are dropped."""
+    costs = serial_cost(stats, profile)
+    bins, left = balanced_pack(descending(costs, range(len(costs))), costs, stats.tokens,
+                               count, capacity)
+    if left:
+        return None
+    return [sorted(mb) for mb in bins if mb]
+
+
+class GlobalSchedule(NamedTuple):
+    """FCP's groups and degrees for every micro-batch of a global batch."""
+
+    micro_batches: tuple[tuple[int, ...], ...]
+    groupings: tuple[Grouping, ...]
+
+    @property
+    def makespan_ms(self) -> float:
+        return sum(g.makespan_ms for g in self.groupings)
+
+
+def plan_global_batch(
+    sequences: Sequence[Sequence[int] | int],
+    *,
+    num_ranks: int,
+    memory_tokens: int,
+    profile: str | FcpProfile = DEFAULT_PROFILE,
+    full_attention: Sequence[bool] = (),
+    search: str = "portfolio",
+    method: str = "dp",
+    micro_batches: int | None = None,
+) -> GlobalSchedule:
+    """Split into micro-batches that fit ``N * E`` tokens and schedule each (no plans).
+
+    ``micro_batches`` fixes the count; None picks it (module docstring). Raises
+    ValueError saying how many ranks or how much memory is missing if a sequence exceeds
+    ``N * E`` or the fixed count cannot hold the batch, and for a bad search or method.
+    """
+    return plan_checked(
+        check_sequences(sequences), num_ranks=num_ranks, memory_tokens=memory_tokens,
+        profile=get_profile(profile), full_attention=full_attention, search=search,
+        method=method, micro_batches=micro_batches,
+    )
+
+
+def plan_checked(
+    seqs: tuple[tuple[int, ...], ...],
+    *,
+    num_ranks: int,
+    memory_tokens: int,
+    profile: FcpProfile,
+    full_attention: Sequence[bool],
+    search: str,
+    method: str,
+    micro_batches: int | None,
+) -> GlobalSchedule:
+    """``plan_global_batch`` for sequences already checked (a ScheduleRequest's)."""
+    check_options(search, method)
+    prof = profile
+    stats = sequence_stats(seqs, full_attention, prof)
+    capacity = num_ranks * memory_tokens
+    longest = int(np.argmax(stats.tokens))
+    if stats.tokens[longest] > capacity:
+        raise memory_error(int(stats.tokens[longest]), num_ranks, memory_tokens, f"sequences[{longest}]")
+    total = int(stats.tokens.sum())
+    least = -(-total // capacity)
+    if micro_batches is not None:
+        counts = [micro_batches]
+    else:
+        counts = list(range(least, min(len(seqs), least + MAX_EXTRA_MICRO_BATCHES) + 1))
+    splits = {}
+    for count in counts:
+        split = split_micro_batches(stats, count, capacity, prof)
+        if split is not None:
+            splits[count] = split
+    if not splits and micro_batches is None:
+        # Bin packing may need more micro-batches than the token bound: one more each time.
+        count = counts[-1] + 1
+        while count not in splits:
+            split = split_micro_batches(stats, count, capacity, prof)
+            if split is not None:
+                splits[count] = split
+            count += 1
+    if not splits:
+        assert micro_batches is not None, "the fallback loop always finds a split"
+        raise memory_error(total, num_ranks * micro_batches, memory_tokens,
+                           f"the batch split into micro_batches={micro_batches}")
+
+    def solve(count: int) -> tuple[float, list[Grouping]]:
+        groupings = []
+        for k, mb in enumerate(splits[count]):
+            candidates = score(stats, paper_groupings(stats, mb, num_ranks, memory_tokens, prof),
+                               num_ranks, memory_tokens, prof)
+            if search == "portfolio":
+                candidates += static[count][k] if count in static else score(
+                    stats, static_family(stats, mb, num_ranks, memory_tokens, prof), num_ranks,
+                    memory_tokens, prof)
+            groupings.append(finish(best(candidates), num_ranks, "threshold"))
+        return sum(g.makespan_ms for g in groupings), groupings
+
+    finalists = sorted(splits)
+    static: dict[int, list[list[Scored]]] = {}
+    if search == "portfolio" and len(finalists) > FINALISTS:
+        # Screen every count by the static-degree groupings and one group (their stage-2
+        # optimum bounds FCP's from above); the paper's stage 1 runs on the best count.
+        for count, split in splits.items():
+            static[count] = [score(stats, static_family(stats, mb, num_ranks, memory_tokens, prof),
+                                   num_ranks, memory_tokens, prof) for mb in split]
+        screen = {c: sum(best(s).found.makespan_ms for s in static[c]) for c in splits}
+        finalists = sorted(splits, key=lambda c: (screen[c], c))[:FINALISTS]
+    results = {count: solve(count) for count in sorted(finalists)}
+    chosen = min(results, key=lambda c: (results[c][0], c))
+    found = GlobalSchedule(tuple(tuple(mb) for mb in splits[chosen]), tuple(results[chosen][1]))
+    if method == "threshold":
+        return found
+    return found._replace(groupings=tuple(
+        redo_with_dp(g, stats, num_ranks, memory_tokens, prof) for g in found.groupings
+    ))
+
+
+def schedule(request: ScheduleRequest) -> FcpResult:
+    """Schedule a batch: micro-batches, CP groups, degrees and (if asked) one Plan each.
+
+    Raises ValueError (naming what is missing) when the memory cannot hold a sequence;
+    PlanError only on an internal bug (every plan is validated).
+    """
+    profile = get_profile(request.profile)
+    started = time.perf_counter()
+    found = plan_checked(
+        request.sequences, num_ranks=request.num_ranks, memory_tokens=request.memory_tokens,
+        profile=profile, full_attention=request.full_attention, search=request.search,
+        method=request.method, micro_batches=request.micro_batches,
+    )
+    solved = time.perf_counter()
+    degrees = [0] * len(request.sequences)
+    out = []
+    for index, (ids, grouping) in enumerate(zip(found.micro_batches, found.groupings, strict=True)):
+        starts = place_groups(grouping.degrees, request.num_ranks, profile.ranks_per_node)
+        groups = []
+        for members, start, degree, est in zip(
+            grouping.groups, starts, grouping.degrees, grouping.times_ms, strict=True
+        ):
+            for i in members:
+                degrees[i] = degree
+            groups.append(ScheduledGroup(
+                ranks=tuple(range(start, start + degree)), sequence_ids=members,
+                tokens=sum(sum(request.sequences[i]) for i in members), est_ms=est,
+            ))
+        plan = None
+        if request.build_plans:
+            position = {seq: p for p, seq in enumerate(ids)}
+            plan = micro_batch_plan(
+                [request.sequences[i] for i in ids],
+                [[position[i] for i in g] for g in grouping.groups],
+                starts, grouping.degrees,
+                num_ranks=request.num_ranks, strategy=request.strategy, model=request.model,
+                kernel=request.kernel, link=request.link,
+                imbalance_target=float(request.imbalance_target),
+                info={
+                    "fcp_micro_batch": [index, len(found.micro_batches)],
+                    "sequence_ids": list(ids),
+                    "group_sequences": [[position[i] for i in g] for g in grouping.groups],
+                    "group_ranks": [[s, d] for s, d in zip(starts, grouping.degrees, strict=True)],
+                    "group_est_ms": list(grouping.times_ms),
+                    "est_makespan_ms": grouping.makespan_ms,
+                    "fcp_candidate": grouping.candidate,
+                    "fcp_profile": profile.name,
+                    "intra_strategy": request.strategy,
+                    "memory_tokens": request.memory_tokens,
+                },
+            )
+        out.append(MicroBatchSchedule(
+            index=index, sequence_ids=ids, groups=tuple(groups),
+            est_makespan_ms=grouping.makespan_ms, candidate=grouping.candidate, plan=plan,
+        ))
+    done = time.perf_counter()
+    return FcpResult(
+        micro_batches=tuple(out), degrees=tuple(degrees), est_makespan_ms=found.makespan_ms,
+        profile=profile.name, strategy=request.strategy,
+        solve_ms=(solved - started) * 1e3, plan_ms=(done - solved) * 1e3,
+    )

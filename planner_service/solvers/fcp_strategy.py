@@ -1,0 +1,83 @@
+"""Strategy ``fcp`` for one packed sequence: every document is an FCP sequence.
+
+FCP schedules a batch of sequences onto CP groups of any degree. A packed sequence on
+``cp_size`` ranks is such a batch once each document is taken as one sequence (documents
+never attend across their boundary, so nothing ties two of them to one group): FCP
+then splits the ranks into groups, long documents on many ranks, short ones on few, with
+no KV exchange for documents that end up alone on one rank. The plan has one group per
+CP group, each with the intra-group shards of ``intra`` (flashcp by default).
+
+Options: ``memory_tokens`` (E; default twice the even share ``2 ceil(S / N)``, room for
+groups of unequal load), ``intra``, ``profile`` and ``search`` (see planner_service.fcp).
+Always one micro-batch: the plan covers the whole packed sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner_service.core.build import Layout
+from planner_service.core.request import MAX_TOKENS, PlanRequest, check_int
+from planner_service.fcp.cost_model import DEFAULT_PROFILE, get_profile
+from planner_service.fcp.layout import group_layouts, place_groups
+from planner_service.fcp.schedule import plan_global_batch
+from planner_service.solvers.registry import Strategy, register
+
+OPTIONS = {
+    "memory_tokens": "E, tokens one rank can hold (default 2 x ceil(total / cp_size))",
+    "intra": "intra-group strategy (default flashcp; zigzag is the FCP paper's ring layout)",
+    "profile": f"FCP cost profile name or file:PATH (default {DEFAULT_PROFILE})",
+    "search": "portfolio (default) or paper: the stage-1 groupings tried",
+}
+
+
+def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+    """FCP over the docs of one packed sequence (module docstring).
+
+    Raises ValueError naming the option for bad options, or saying how much memory is
+    missing when ``memory_tokens * cp_size`` cannot hold the sequence.
+    """
+    n = request.cp_size
+    total = sum(doc_lengths)
+    opts = request.options
+    memory = opts.get("memory_tokens", 2 * -(-total // n))
+    check_int(memory, "options.memory_tokens", 1, MAX_TOKENS)
+    intra = opts.get("intra", "flashcp")
+    if intra == "fcp" or not isinstance(intra, str):
+        raise ValueError(f"options.intra must be a strategy other than fcp, got {intra!r}")
+    try:
+        profile = get_profile(opts.get("profile", DEFAULT_PROFILE))
+    except ValueError as exc:
+        raise ValueError(f"options.profile: {exc}") from None
+    search = opts.get("search", "portfolio")
+    sequences = [(length,) for length in doc_lengths]
+    found = plan_global_batch(
+        sequences, num_ranks=n, memory_tokens=memory, profile=profile, search=search,
+        micro_batches=1,
+    )
+    grouping = found.groupings[0]
+    starts = place_groups(grouping.degrees, n, profile.ranks_per_node)
+    layouts = group_layouts(
+        sequences, grouping.groups, starts, grouping.degrees, strategy=intra,
+        model=request.model, kernel=request.kernel, link=request.link,
+        imbalance_target=request.imbalance_target,
+    )
+    return Layout(groups=layouts, info={
+        "fcp_degrees": list(grouping.degrees),
+        "fcp_group_docs": [list(g) for g in grouping.groups],
+        "fcp_est_makespan_ms": grouping.makespan_ms,
+        "fcp_candidate": grouping.candidate,
+        "fcp_profile": profile.name,
+        "intra_strategy": intra,
+        "memory_tokens": memory,
+    })
+
+
+register(Strategy(
+    name="fcp",
+    description="FCP: each doc a sequence; BFD into atomic groups, 2D DP over any-integer CP "
+    "degrees on a profiled cost model, flashcp inside each group",
+    solver=fcp_layout,
+    comm_mode="alltoallv",
+    options=OPTIONS,
+))
