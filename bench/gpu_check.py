@@ -1,0 +1,140 @@
+"""Every GPU check and timing of the worker runtime in one call (one GPU is enough).
+
+    .venv/bin/python -m bench.gpu_check [--out bench/results/gpu_check.md]
+
+1. ``pytest -m gpu`` on the runtime's kernel tests: flash-attn forward and backward in
+   bf16 against the float64 reference (TransformerEngine's CP tolerance, 2.5e-2).
+2. FlashCP's Figure 3 effect: per-rank forward+backward kernel time of per_doc vs flashcp
+   plans, ranks run one after another on this GPU, for one 128K doc and for 16 docs of 8K
+   (Llama-3-8B attention shape, bf16, N = 8).
+3. Profiler timings (``cp-planner-timings/v1``) of flashcp and zigzag plans on packed
+   WLB-LLM sequences, for the cost-model fit (bench/results/timings_gpu.json).
+
+Without CUDA it prints why and exits 0 without writing anything. ``--cpu-smoke`` runs
+the same code paths on CPU at 1/64 scale (float32, torch kernel) into a scratch folder,
+so the script itself is tested where no GPU is available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from planner_service.core.model import ModelSpec
+from planner_service.core.request import PlanRequest
+from planner_service.data import make_source, pack_sequences
+from planner_service.solvers.registry import solve
+from worker_runtime.kernels import flash_attn_available
+from worker_runtime.profiler import (
+    attention_records,
+    device_name,
+    time_shards,
+    timings_document,
+    write_timings,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FIGURE3_CASES = {"one 128K doc": [131072], "16 docs of 8K": [8192] * 16}
+
+
+def run_gpu_tests() -> dict:
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests/test_runtime_kernels.py"],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    return {"returncode": proc.returncode, "seconds": time.perf_counter() - start, "tail": tail}
+
+
+def figure3(kernel: str, repeats: int, device: str, dtype: torch.dtype, scale: int,
+            model: ModelSpec) -> list[dict]:
+    rows = []
+    for case, lengths in FIGURE3_CASES.items():
+        lengths = [n // scale for n in lengths]
+        for strategy in ("per_doc", "flashcp"):
+            plan = solve(PlanRequest(doc_lengths=tuple(lengths), cp_size=8, strategy=strategy, model=model))
+            ms = [time_shards(shards, model, dtype=dtype, device=device, kernel=kernel,
+                              repeats=repeats) for shards in plan.groups[0].shards]
+            rows.append({"case": case, "strategy": strategy, "per_rank_ms": ms, "max_ms": max(ms),
+                         "mean_ms": statistics.mean(ms), "shards": plan.metrics.num_shards,
+                         "imbalance": plan.metrics.imbalance})
+    return rows
+
+
+def profile(kernel: str, path: Path, device: str, dtype: torch.dtype, scale: int,
+            model: ModelSpec) -> int:
+    records = []
+    for context in (16384, 32768, 65536, 131072):
+        context //= scale
+        seqs = pack_sequences(make_source("wlbllm"), context_length=context, num_sequences=2, seed=0)
+        for degree in (2, 4, 8):
+            for lengths in seqs:
+                for strategy in ("flashcp", "zigzag"):
+                    plan = solve(PlanRequest(doc_lengths=tuple(lengths), cp_size=degree, strategy=strategy, model=model))
+                    records += attention_records(plan, dtype=dtype, device=device, kernel=kernel, repeats=3)
+    write_timings(path, timings_document(records, device=device_name(device), dtype=dtype, model=model))
+    return len(records)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.md")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-profile", action="store_true")
+    parser.add_argument("--cpu-smoke", type=Path, metavar="DIR",
+                        help="run every step on CPU at 1/64 scale, writing into DIR")
+    args = parser.parse_args()
+    model = ModelSpec()  # Llama-3-8B attention: 32 heads, 8 KV heads, head_dim 128
+    if args.cpu_smoke:
+        device, dtype, scale, kernel, repeats = "cpu", torch.float32, 64, "torch", 1
+        model = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=16)
+        out, timings = args.cpu_smoke / "gpu_check.md", args.cpu_smoke / "timings_gpu.json"
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing run, nothing written")
+        return 0
+    else:
+        device, dtype, scale, repeats = "cuda", torch.bfloat16, 1, args.repeats
+        kernel = "flash" if flash_attn_available(torch.device("cuda")) else "torch"
+        out, timings = args.out, RESULTS / "timings_gpu.json"
+    tests = run_gpu_tests()
+    fig3 = figure3(kernel, repeats, device, dtype, scale, model)
+    num_records = 0 if args.skip_profile else profile(kernel, timings, device, dtype, scale, model)
+    lines = [
+        "# Worker runtime GPU check",
+        "",
+        "Command: `.venv/bin/python -m bench.gpu_check`",
+        "",
+        f"Device: {device_name(device)}; torch {torch.__version__}; kernel: {kernel}; {dtype}; "
+        f"sizes / {scale}.",
+        "",
+        f"## pytest -m gpu (return code {tests['returncode']}, {tests['seconds']:.0f} s)",
+        "",
+        "```", *tests["tail"], "```",
+        "",
+        f"## Figure 3 effect: per-rank fwd+bwd kernel ms (heads {model.num_heads}/{model.num_kv_heads}, "
+        f"head_dim {model.head_dim}, N = 8)",
+        "",
+        "| case | strategy | shards | max rank ms | mean rank ms | per-rank ms |",
+        "|---|---|---:|---:|---:|---|",
+        *(f"| {r['case']} | {r['strategy']} | {r['shards']} | {r['max_ms']:.2f} | {r['mean_ms']:.2f} | "
+          + ", ".join(f"{x:.2f}" for x in r["per_rank_ms"]) + " |" for r in fig3),
+        "",
+        f"Profiler: {num_records} attention records -> {timings}",
+    ]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"tests": tests, "figure3": fig3}, indent=1))
+    print("\n".join(lines))
+    return 0 if tests["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

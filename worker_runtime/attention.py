@@ -1,0 +1,208 @@
+"""The public runtime object: one plan, this rank, a process group -> local layout and a
+differentiable context-parallel attention call.
+
+Per call: stack local K and V, exchange them as the comm map says (``comm.KVExchange``),
+gather every shard's keys ``[0, e)`` of its doc (``kv_index``), run the varlen kernel on
+the real (non-padding) queries, append zero rows for padding. Backward runs the same
+collectives in reverse, so every rank of a group must call backward if any does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from planner_service.core.plan import Plan
+from worker_runtime import dispatch as _dispatch
+from worker_runtime.comm import CommCounter, Exchanger, KVExchange
+from worker_runtime.groups import group_cache
+from worker_runtime.kernels import KERNELS, VarlenMeta, build_meta, varlen_attention
+from worker_runtime.layout import (
+    COMM_MODES,
+    CommMap,
+    RankLayout,
+    build_comm_map,
+    build_layout,
+    planned_recv_tokens,
+)
+from worker_runtime.safety import CollectiveCheckError, agree, local_input_problem
+
+VERIFY = ("first", "always", "never")
+
+
+def resolve_comm_mode(plan: Plan, comm_mode: str | None) -> str:
+    """The exchange to run: ``comm_mode`` or the plan's own (``p2p_ring`` runs as ``full``,
+    which moves the same bytes). Raises ValueError for an unknown mode."""
+    mode = comm_mode or plan.comm_mode
+    mode = "full" if mode == "p2p_ring" else mode
+    if mode not in COMM_MODES:
+        raise ValueError(f"comm_mode must be one of {', '.join(COMM_MODES)} (or the plan's), got {mode!r}")
+    return mode
+
+
+class _DeviceState(NamedTuple):
+    meta: VarlenMeta
+    kv_index: torch.Tensor
+    exchanger: Exchanger
+
+
+class ContextParallelAttention:
+    """Executes one plan on one rank.
+
+    Construction is collective over ``group`` (every rank of it constructs with its own
+    copy of the plan): the ranks agree on the plan_id, then the process groups of a
+    multi-group plan are created (cached, same order everywhere). Raises
+    CollectiveCheckError on every rank if plan_ids differ or a rank cannot run the plan,
+    ValueError for a bad ``comm_mode``, ``kernel`` or ``verify``.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int | None = None,
+        group: Any = None,
+        *,
+        comm_mode: str | None = None,
+        kernel: str = "auto",
+        verify: str = "first",
+        counter: CommCounter | None = None,
+    ) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if verify not in VERIFY:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY)}, got {verify!r}")
+        self.plan, self.kernel, self.verify = plan, kernel, verify
+        self.comm_mode = resolve_comm_mode(plan, comm_mode)
+        self.counter = counter if counter is not None else CommCounter()
+        initialised = dist.is_initialized()
+        self.parent = group
+        if rank is None:
+            rank = dist.get_rank(group) if initialised else 0
+        self.rank = rank
+        size = dist.get_world_size(group) if initialised else 1
+        problem = None
+        try:
+            self.layout: RankLayout = build_layout(plan, rank)
+        except ValueError as exc:
+            problem, self.layout = str(exc), build_layout(plan, 0)
+        if plan.cp_size != size:
+            problem = f"plan.cp_size is {plan.cp_size} but the process group has {size} ranks"
+        agree(group, rank=rank, plan_id=plan.plan_id, problem=problem,
+              where="ContextParallelAttention(plan)", extra={"comm_mode": self.comm_mode})
+        self.process_group: Any = None
+        order = None
+        if initialised:
+            cache = group_cache(group)
+            cache.ensure([g.ranks for g in plan.groups])
+            if self.layout.group_index >= 0:
+                self.process_group = cache.get(self.layout.group_ranks)
+                # Slot -> rank inside the process group that runs the collectives.
+                globals_ = [dist.get_global_rank(self._parent(), r) for r in self.layout.group_ranks]
+                order = [dist.get_group_rank(self.process_group, g) for g in globals_]
+        self.order = order
+        self.comm_map: CommMap = build_comm_map(self.layout, self.comm_mode, order)
+        self._states: dict[torch.device, _DeviceState] = {}
+        self._verified = False
+
+    # -- layout for the dataloader and RoPE ------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Local rows q, k, v must have (shards plus padding)."""
+        return self.layout.num_tokens
+
+    @property
+    def local_token_indices(self) -> np.ndarray:
+        """Global packed position of every local row; -1 for padding."""
+        return self.layout.global_index
+
+    @property
+    def doc_ids(self) -> np.ndarray:
+        return self.layout.doc_ids
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Doc-relative position of every local row (RoPE position ids); 0 for padding."""
+        return self.layout.positions
+
+    def planned_recv_tokens(self) -> int:
+        """KV tokens this rank receives per pass according to the plan's figures."""
+        return planned_recv_tokens(self.plan, self.rank, self.comm_mode)
+
+    def dispatch(self, x: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
+        """Local rows of a global packed tensor (see dispatch.dispatch)."""
+        return _dispatch.dispatch(self.layout, x, pad_value)
+
+    def undispatch(self, y: torch.Tensor, *, gather: bool = False) -> torch.Tensor:
+        """Local rows back in global order; ``gather=True`` fills in the whole group's rows
+        (collective, not differentiable), else other ranks' rows are zero."""
+        if gather:
+            return _dispatch.gather_global(self.layout, y, self.process_group, self.order)
+        return _dispatch.undispatch(self.layout, y)
+
+    # -- attention ---------------------------------------------------------------------
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None
+    ) -> torch.Tensor:
+        """Context-parallel attention on local ``q [T, H, D]``, ``k, v [T, G, D]``.
+
+        Returns the local output ``[T, H, D]``; padding rows are zero. Raises
+        CollectiveCheckError on every rank of the group if any rank's inputs do not
+        match the plan (checked on the first call, or every call with verify='always').
+        """
+        self._check(q, k, v)
+        lay = self.layout
+        if lay.group_index < 0:
+            # No rows; tied to q, k, v so a caller's backward gives them (empty) gradients.
+            return q * 0 + (k.sum() + v.sum()) * 0
+        state = self._state(q.device)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        kv = torch.stack((k, v), dim=1)
+        source = KVExchange.apply(kv, state.exchanger)
+        # Gathering K and V apart gives the contiguous [keys, G, D] tensors flash-attn wants.
+        k_seq = source[:, 0].index_select(0, state.kv_index)
+        v_seq = source[:, 1].index_select(0, state.kv_index)
+        r = lay.num_real
+        out = varlen_attention(q[:r], k_seq, v_seq, state.meta, scale, self.kernel)
+        out = torch.cat((out, q.new_zeros((lay.num_tokens - r, *q.shape[1:]))))
+        if r == 0:
+            # No queries here, but peers may still send dK/dV back in backward: keep the
+            # exchange in the graph so this rank joins that collective.
+            out = out + source.sum() * 0
+        return out
+
+    __call__ = attention
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.verify == "never" or (self.verify == "first" and self._verified):
+            return
+        problem = local_input_problem(q, k, v, self.layout.num_tokens, self.rank)
+        if self.layout.group_index < 0 or self.process_group is None:
+            if problem:
+                raise CollectiveCheckError(f"attention: rank {self.rank}: {problem}")
+        else:
+            extra = {"dtype": str(q.dtype), "heads": tuple(q.shape[1:]), "kv_heads": tuple(k.shape[1:])}
+            agree(self.process_group, rank=self.rank, plan_id=self.plan.plan_id, problem=problem,
+                  where="attention", extra=extra)
+        self._verified = True
+
+    def exchanger(self, device: torch.device | str) -> Exchanger:
+        """The KV exchange bound to ``device`` (the profiler times it alone)."""
+        return self._state(torch.device(device)).exchanger
+
+    def _state(self, device: torch.device) -> _DeviceState:
+        if device not in self._states:
+            lay, comm = self.layout, self.comm_map
+            position = dist.get_rank(self.process_group) if self.process_group is not None else 0
+            self._states[device] = _DeviceState(
+                meta=build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device),
+                kv_index=torch.from_numpy(comm.kv_index).to(device),
+                exchanger=Exchanger.create(comm, self.process_group, position, self.counter, device),
+            )
+        return self._states[device]
+
+    def _parent(self) -> Any:
+        return self.parent if self.parent is not None else dist.group.WORLD

@@ -1,0 +1,202 @@
+"""Varlen causal attention kernels: flash-attn on CUDA, an exact PyTorch kernel otherwise.
+
+Both compute, for every segment j, queries ``q[cu_q[j]:cu_q[j+1]]`` against keys
+``k[cu_k[j]:cu_k[j+1]]`` with bottom-right causal alignment (the last query sees every
+key; query t of a segment of Lq queries and Lk keys sees keys ``[0, Lk - Lq + t]``),
+which is exactly "queries of shard (d, p, e) attend keys [0, e) of doc d".
+
+Shape legend: T = query rows, K = key rows, H = query heads, G = KV heads (GQA, H = G x R),
+D = head dim. ``q_THD``, ``k_KGD``; query head h uses KV head h // R (flash-attn's rule).
+
+The PyTorch kernel is FlashAttention's algorithm in plain torch: query blocks x key
+blocks, online softmax forward, recomputation backward, so memory stays bounded by the
+block size and float64 inputs give float64-exact results.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from worker_runtime.layout import expand_ranges
+
+KERNELS = ("auto", "torch", "flash")
+BLOCK_Q = 256
+BLOCK_K = 1024
+
+
+class VarlenMeta(NamedTuple):
+    """cu_seqlens and the torch kernel's per-row segment data, on one device."""
+
+    cu_seqlens_q: torch.Tensor
+    """int32 ``[S + 1]``."""
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    q_seg: torch.Tensor
+    """``[T]`` segment of each query row."""
+    q_limit: torch.Tensor
+    """``[T]`` largest key position (within its segment) the query may see."""
+    k_seg: torch.Tensor
+    k_pos: torch.Tensor
+    blocks: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
+    """(q0, q1, key blocks) tiles that hold every unmasked pair (torch kernel only)."""
+
+
+def build_meta(
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    device: torch.device | str = "cpu",
+    *,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> VarlenMeta:
+    """Metadata for segments with the given boundaries; raises ValueError if a segment has
+    more queries than keys (bottom-right alignment would leave queries with no key)."""
+    cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
+    cu_k = np.asarray(cu_seqlens_k, dtype=np.int64)
+    lq, lk = np.diff(cu_q), np.diff(cu_k)
+    if len(lq) != len(lk) or (lq > lk).any() or (lq < 0).any():
+        raise ValueError("cu_seqlens_q/k must have equal length and every segment Lq <= Lk")
+    segs = np.arange(len(lq), dtype=np.int64)
+    q_seg = np.repeat(segs, lq)
+    q_limit = expand_ranges(lk - lq, lq)
+    k_seg = np.repeat(segs, lk)
+    k_pos = expand_ranges(np.zeros(len(lk), dtype=np.int64), lk)
+    blocks = []
+    num_q = int(cu_q[-1]) if len(cu_q) else 0
+    for q0 in range(0, num_q, block_q):
+        q1 = min(q0 + block_q, num_q)
+        # Keys from the first query's segment start to the last query's own limit.
+        k_lo = int(cu_k[q_seg[q0]])
+        k_hi = int(cu_k[q_seg[q1 - 1]] + q_limit[q1 - 1] + 1)
+        keys = tuple((k0, min(k0 + block_k, k_hi)) for k0 in range(k_lo, k_hi, block_k))
+        blocks.append((q0, q1, keys))
+
+    def tensor(x: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.from_numpy(x).to(device=device, dtype=dtype)
+
+    return VarlenMeta(
+        cu_seqlens_q=tensor(cu_q, torch.int32),
+        cu_seqlens_k=tensor(cu_k, torch.int32),
+        max_seqlen_q=int(lq.max(initial=0)),
+        max_seqlen_k=int(lk.max(initial=0)),
+        q_seg=tensor(q_seg), q_limit=tensor(q_limit), k_seg=tensor(k_seg), k_pos=tensor(k_pos),
+        blocks=tuple(blocks),
+    )
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    """True on CUDA when the flash_attn package is importable."""
+    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def varlen_attention(
+    q_THD: torch.Tensor,
+    k_KGD: torch.Tensor,
+    v_KGD: torch.Tensor,
+    meta: VarlenMeta,
+    softmax_scale: float,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Segment-wise bottom-right causal attention, differentiable; returns ``[T, H, D]``.
+
+    ``kernel``: ``flash`` (flash_attn_varlen_func; CUDA, fp16/bf16), ``torch`` (exact) or
+    ``auto`` (flash when available for this device and dtype, else torch).
+    Raises ValueError for an unknown kernel or flash requested where it cannot run.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    half = q_THD.dtype in (torch.float16, torch.bfloat16)
+    use_flash = kernel == "flash" or (kernel == "auto" and half and flash_attn_available(q_THD.device))
+    if use_flash:
+        if not (half and flash_attn_available(q_THD.device)):
+            raise ValueError("kernel='flash' needs CUDA tensors in fp16/bf16 and flash-attn installed")
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(
+            q_THD, k_KGD, v_KGD, meta.cu_seqlens_q, meta.cu_seqlens_k,
+            meta.max_seqlen_q, meta.max_seqlen_k, dropout_p=0.0,
+            softmax_scale=softmax_scale, causal=True,
+        )
+    return _TorchVarlen.apply(q_THD, k_KGD, v_KGD, meta, softmax_scale)
+
+
+def _block_mask(meta: VarlenMeta, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    same = meta.q_seg[q0:q1, None] == meta.k_seg[None, k0:k1]
+    return same & (meta.k_pos[None, k0:k1] <= meta.q_limit[q0:q1, None])
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _TorchVarlen(torch.autograd.Function):
+    """Blockwise exact attention; saves only the output and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, q_THD, k_KGD, v_KGD, meta: VarlenMeta, scale: float):  # type: ignore[override]
+        t, h, d = q_THD.shape
+        g = k_KGD.shape[1]
+        r = h // g
+        cd = _compute_dtype(q_THD.dtype)
+        out = torch.zeros(t, g, r, d, dtype=cd, device=q_THD.device)
+        lse = torch.zeros(t, g, r, dtype=cd, device=q_THD.device)
+        for q0, q1, keys in meta.blocks:
+            q_QGRD = q_THD[q0:q1].view(q1 - q0, g, r, d).to(cd)
+            m = torch.full((g, r, q1 - q0), -math.inf, dtype=cd, device=q_THD.device)
+            den = torch.zeros_like(m)
+            acc = torch.zeros(g, r, q1 - q0, d, dtype=cd, device=q_THD.device)
+            for k0, k1 in keys:
+                mask = _block_mask(meta, q0, q1, k0, k1)
+                s = torch.einsum("qgrd,kgd->grqk", q_QGRD, k_KGD[k0:k1].to(cd)) * scale
+                s = s.masked_fill(~mask, -math.inf)
+                m_new = torch.maximum(m, s.amax(dim=-1))
+                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                p = torch.exp(s - m_safe[..., None])
+                alpha = torch.exp(m - m_safe)
+                den = den * alpha + p.sum(dim=-1)
+                acc = acc * alpha[..., None] + torch.einsum("grqk,kgd->grqd", p, v_KGD[k0:k1].to(cd))
+                m = m_new
+            out[q0:q1] = (acc / den[..., None]).permute(2, 0, 1, 3)
+            lse[q0:q1] = (m + torch.log(den)).permute(2, 0, 1)
+        out_THD = out.view(t, h, d).to(q_THD.dtype)
+        ctx.save_for_backward(q_THD, k_KGD, v_KGD, out_THD, lse)
+        ctx.meta, ctx.scale = meta, scale
+        return out_THD
+
+    @staticmethod
+    def backward(ctx: Any, dout_THD):  # type: ignore[override]
+        q_THD, k_KGD, v_KGD, out_THD, lse = ctx.saved_tensors
+        meta, scale = ctx.meta, ctx.scale
+        t, h, d = q_THD.shape
+        g = k_KGD.shape[1]
+        r = h // g
+        cd = lse.dtype
+        dq = torch.zeros(t, g, r, d, dtype=cd, device=q_THD.device)
+        dk = torch.zeros(k_KGD.shape, dtype=cd, device=q_THD.device)
+        dv = torch.zeros(v_KGD.shape, dtype=cd, device=q_THD.device)
+        do_all = dout_THD.reshape(t, g, r, d).to(cd)
+        delta = (do_all * out_THD.view(t, g, r, d).to(cd)).sum(dim=-1)  # [T, G, R]
+        for q0, q1, keys in meta.blocks:
+            q_QGRD = q_THD[q0:q1].view(q1 - q0, g, r, d).to(cd)
+            do = do_all[q0:q1]
+            lse_b = lse[q0:q1].permute(1, 2, 0)[..., None]
+            delta_b = delta[q0:q1].permute(1, 2, 0)[..., None]
+            for k0, k1 in keys:
+                mask = _block_mask(meta, q0, q1, k0, k1)
+                kb, vb = k_KGD[k0:k1].to(cd), v_KGD[k0:k1].to(cd)
+                s = torch.einsum("qgrd,kgd->grqk", q_QGRD, kb) * scale
+                p = torch.exp(s - lse_b).masked_fill(~mask, 0.0)
+                dv[k0:k1] += torch.einsum("grqk,qgrd->kgd", p, do)
+                dp = torch.einsum("qgrd,kgd->grqk", do, vb)
+                ds = p * (dp - delta_b) * scale
+                dq[q0:q1] += torch.einsum("grqk,kgd->qgrd", ds, kb)
+                dk[k0:k1] += torch.einsum("grqk,qgrd->kgd", ds, q_QGRD)
+        return (
+            dq.view(t, h, d).to(q_THD.dtype), dk.to(k_KGD.dtype), dv.to(v_KGD.dtype), None, None,
+        )
