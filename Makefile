@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 HOST ?= 127.0.0.1
 PORT ?= 8000
+GRPC_PORT ?= 50051
 
 .PHONY: install run test lint bench proto clean
 
@@ -21,9 +22,11 @@ proto: install
 	$(PY) -m planner_service.proto_build
 
 run: install
-	$(VENV)/bin/planner plan --dataset wlbllm --context 131072 --cp 8 --strategy flashcp
+	@echo "planner: web page and API on http://$(HOST):$(PORT)/ , gRPC on $(HOST):$(GRPC_PORT) (Ctrl-C stops)"
+	$(VENV)/bin/planner serve --host $(HOST) --http-port $(PORT) --grpc-port $(GRPC_PORT)
 
 test: install
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } >/dev/null 2>&1; } || echo "chromium/chromedriver missing (not root?): the browser test will skip"
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider
 
 lint: install

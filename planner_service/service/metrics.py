@@ -43,6 +43,8 @@ class ServiceMetrics:
             "planner_fallbacks",
             "Local fallback plans that clients reported (X-Planner-Fallbacks header / metadata)",
             ("reason",), registry=r)
+        self.ready = Gauge("planner_ready", "1 while /readyz answers 200 (pool warm, not "
+                           "draining), else 0", registry=r)
         self.jobs = Gauge("planner_jobs", "Jobs in the job store", registry=r)
         self.job_batches = Gauge("planner_job_batches", "Batches in the job store", registry=r)
         self.job_evictions = Counter("planner_job_evictions", "Job batches evicted",

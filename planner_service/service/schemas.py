@@ -95,11 +95,17 @@ class CompareRequestIn(PlanRequestIn):
 
 
 class ScheduleRequestIn(BaseModel):
-    """A batch of packed sequences for FCP scheduling; other fields go to the scheduler."""
+    """A batch of sequences for FCP (planner_service.fcp.ScheduleRequest); fields beyond
+    these (strategy, profile, micro_batches, model, ...) go to the scheduler as given."""
 
-    model_config = ConfigDict(extra="allow")
-    sequences: list[list[DocLength]] = Field(min_length=1)
-    cp_size: StrictInt = Field(ge=1, le=MAX_CP_SIZE)
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"sequences": [[30000, 2000], [512, 700, 9000], [65536]], "num_ranks": 8,
+         "memory_tokens": 16384}]})
+    sequences: list[list[DocLength]] = Field(min_length=1, description="Doc lengths of each "
+                                             "sequence")
+    num_ranks: StrictInt = Field(ge=1, le=MAX_CP_SIZE, description="Model replicas N")
+    memory_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS, description="Activation memory per "
+                                     "rank, in tokens")
 
 
 class Shard(BaseModel):

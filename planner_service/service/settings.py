@@ -35,8 +35,10 @@ class Settings(BaseSettings):
     """Solver processes; 0 solves in one thread of the server process (tests, debugging)."""
     queue_size: int = Field(64, ge=0, le=100_000)
     """Solves that may wait beyond one per worker; more answer 429 / RESOURCE_EXHAUSTED."""
-    request_timeout_s: float = Field(10.0, gt=0, le=3600)
-    """Deadline of one solve, queueing included, unless the caller asks for less."""
+    request_timeout_s: float = Field(60.0, gt=0, le=3600)
+    """Deadline of one solve, queueing included, unless the caller asks for less (and at
+    least 2 x options.time_limit_s + 5 s for a request that sets one). Heuristics answer
+    in milliseconds; the ILP's default 10 s budget can take ~20 s of wall time."""
     max_docs: int = Field(65_536, ge=1, le=10_000_000)
     """Documents per request (per sequence for /v1/schedule)."""
     max_cp_size: int = Field(1024, ge=1, le=MAX_CP_SIZE)

@@ -1,0 +1,275 @@
+"""Ways to reach a planner: HTTP, gRPC (see grpc_backend.py) or in-process (embedded).
+
+Every back end speaks the JSON request shape of ``POST /v1/plan`` and returns the plan's
+canonical JSON, so the same request gives the same bytes whichever back end answers.
+Connections are made lazily per process id: a back end copied into a forked or spawned
+dataloader worker opens its own connection there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import httpx
+
+USER_AGENT = "cp-planner-client/1"
+
+
+class ServiceResult(NamedTuple):
+    plan_json: str
+    """Canonical JSON of the plan (Plan.to_json())."""
+    plan_id: str
+    solve_ms: float
+    cached: bool
+
+
+class Comparison(NamedTuple):
+    results: list[tuple[str, ServiceResult]]
+    """(strategy, result) in the order asked for."""
+    errors: dict[str, str]
+
+
+class ServiceError(ValueError):
+    """The service answered an error or could not be reached.
+
+    ``code`` is the HTTP status (as text), the gRPC status name, or ``unavailable`` when
+    no answer came; ``field`` names the offending request field for invalid input.
+    """
+
+    def __init__(self, code: str, message: str, *, field: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.field = field
+        self.retry_after_s = retry_after_s
+
+    @property
+    def invalid_input(self) -> bool:
+        return self.code in ("422", "INVALID_ARGUMENT")
+
+
+class Backend(Protocol):
+    """What PlanClient needs from a planner (all methods are blocking and thread-safe)."""
+
+    name: str
+
+    def warm(self) -> None: ...
+
+    def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
+             ) -> ServiceResult: ...
+
+    def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
+                timeout_s: float) -> Comparison: ...
+
+    def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
+               fallbacks: int = 0) -> None: ...
+
+    def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
+              ) -> ServiceResult | None: ...
+
+    def close(self) -> None: ...
+
+
+class HttpBackend:
+    """The HTTP API through one keep-alive httpx client per process."""
+
+    name = "http"
+
+    def __init__(self, url: str, *, token: str | None = None, connect_timeout_s: float = 1.0
+                 ) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.connect_timeout_s = connect_timeout_s
+        self._client: httpx.Client | None = None
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "token": self.token, "connect_timeout_s": self.connect_timeout_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def _http(self) -> httpx.Client:
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():
+                headers = {"User-Agent": USER_AGENT}
+                if self.token:
+                    headers["Authorization"] = f"Bearer {self.token}"
+                # Never reuse a parent's sockets after fork: make a new client.
+                # verify only matters for https; for http it skips loading the CA bundle.
+                self._client = httpx.Client(base_url=self.url, headers=headers,
+                                            trust_env=False,
+                                            verify=self.url.startswith("https://"))
+                self._pid = os.getpid()
+            return self._client
+
+    def _send(self, method: str, path: str, timeout_s: float, *, body: Any = None,
+              headers: dict[str, str] | None = None,
+              params: dict[str, Any] | None = None) -> httpx.Response:
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self.connect_timeout_s))
+        try:
+            response = self._http().request(
+                method, path, content=None if body is None else json.dumps(body),
+                headers={"Content-Type": "application/json", **(headers or {})},
+                params=params, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise ServiceError("unavailable", f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 400:
+            raise _http_error(response)
+        return response
+
+    def warm(self) -> None:
+        """Open the connection now (best effort), not on the first plan."""
+        try:
+            self._http().get("/healthz", timeout=self.connect_timeout_s)
+        except httpx.HTTPError:
+            pass
+
+    def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
+             ) -> ServiceResult:
+        r = self._send("POST", "/v1/plan", timeout_s, body=request,
+                       headers=_deadline_headers(timeout_s, fallbacks))
+        return _http_result(r)
+
+    def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
+                timeout_s: float) -> Comparison:
+        body = {k: v for k, v in request.items() if k != "strategy"}
+        if strategies is not None:
+            body["strategies"] = list(strategies)
+        data = self._send("POST", "/v1/compare", timeout_s, body=body,
+                          headers=_deadline_headers(timeout_s, 0)).json()
+        from planner_service.core.plan import canonical_json
+
+        results = [(e["strategy"], ServiceResult(canonical_json(e["plan"]), e["plan"]["plan_id"],
+                                                 float(e["solve_ms"]), bool(e["cached"])))
+                   for e in data["results"]]
+        return Comparison(results, dict(data["errors"]))
+
+    def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
+               fallbacks: int = 0) -> None:
+        self._send("PUT", f"/v1/jobs/{job}/batches/{batch}", timeout_s, body=request,
+                   headers=_deadline_headers(None, fallbacks))
+
+    def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
+              ) -> ServiceResult | None:
+        r = self._send("GET", f"/v1/jobs/{job}/batches/{batch}", timeout_s + wait_s,
+                       params={"wait_ms": int(wait_s * 1e3)})
+        return None if r.status_code == 202 else _http_result(r)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None and self._pid == os.getpid():
+                self._client.close()
+            self._client = None
+
+
+def _deadline_headers(timeout_s: float | None, fallbacks: int) -> dict[str, str]:
+    headers = {}
+    if timeout_s is not None:
+        headers["X-Planner-Deadline-Ms"] = str(max(1, int(timeout_s * 1e3)))
+    if fallbacks:
+        headers["X-Planner-Fallbacks"] = str(fallbacks)
+    return headers
+
+
+def _http_result(r: httpx.Response) -> ServiceResult:
+    timing = r.headers.get("server-timing", "")
+    solve_ms = float(timing.split("dur=")[1]) if "dur=" in timing else float("nan")
+    return ServiceResult(r.text, r.headers.get("x-plan-id", ""), solve_ms,
+                         r.headers.get("x-cache") == "hit")
+
+
+def _http_error(r: httpx.Response) -> ServiceError:
+    try:
+        data = r.json()
+        message, field = str(data.get("detail")), data.get("field")
+    except ValueError:
+        message, field = r.text[:500], None
+    retry = r.headers.get("retry-after")
+    return ServiceError(str(r.status_code), message, field=field,
+                        retry_after_s=float(retry) if retry and retry.isdigit() else None)
+
+
+class EmbeddedBackend:
+    """Plans in this process (no service): the same validation and the same solvers."""
+
+    name = "embedded"
+
+    def __init__(self) -> None:
+        self._jobs: dict[tuple[str, str], dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def warm(self) -> None:
+        pass
+
+    def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
+             ) -> ServiceResult:
+        from planner_service.client.local import solve_dict
+
+        solved = solve_dict(request)
+        return ServiceResult(solved.plan.to_json(), solved.plan.plan_id, solved.solve_ms, False)
+
+    def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
+                timeout_s: float) -> Comparison:
+        from planner_service.solvers.registry import STRATEGIES, strategy_names
+
+        results, errors = [], {}
+        for name in strategies if strategies is not None else strategy_names():
+            if name not in STRATEGIES:
+                raise ServiceError("422", f"strategies: strategy {name!r} is unknown",
+                                   field="strategies")
+            options = {k: v for k, v in request.get("options", {}).items()
+                       if k in STRATEGIES[name].options}
+            try:
+                results.append((name, self.plan({**request, "strategy": name,
+                                                 "options": options}, timeout_s)))
+            except ServiceError as exc:
+                errors[name] = exc.message
+        return Comparison(results, errors)
+
+    def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
+               fallbacks: int = 0) -> None:
+        with self._lock:
+            self._jobs[(job, batch)] = request
+
+    def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
+              ) -> ServiceResult | None:
+        with self._lock:
+            request = self._jobs.pop((job, batch), None)
+        if request is None:
+            raise ServiceError("404", f"batch {batch!r} of job {job!r} is unknown")
+        return self.plan(request, timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            self._jobs.clear()
+
+
+def make_backend(url: str, *, token: str | None = None) -> Backend:
+    """``http://host:port``, ``https://...``, ``grpc://host:port`` or ``embedded``.
+
+    ``token`` defaults to $PLANNER_TOKEN. Raises ValueError for another scheme.
+    """
+    token = token if token is not None else os.environ.get("PLANNER_TOKEN") or None
+    if url == "embedded":
+        return EmbeddedBackend()
+    if url.startswith(("http://", "https://")):
+        return HttpBackend(url, token=token)
+    if url.startswith("grpc://"):
+        from planner_service.client.grpc_backend import GrpcBackend
+
+        return GrpcBackend(url.removeprefix("grpc://"), token=token)
+    raise ValueError(f"url must start with http://, https:// or grpc://, or be 'embedded'; "
+                     f"got {url!r}")

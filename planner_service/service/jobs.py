@@ -1,0 +1,214 @@
+"""One-batch-ahead job store: submit batch i+1 now, fetch its plan later.
+
+A job is a training run; a batch id names one packed sequence of it. Submitting the same
+content again is idempotent (same entry, same plan); different content under a batch id
+already used is a :class:`Conflict`. Finished plans live ``ttl_s``; memory is bounded by
+the number of jobs (least recently used evicted), batches per job (oldest evicted) and the
+bytes of stored plans (oldest finished evicted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from planner_service.service.executor import DeadlineExceeded, SolveResult, wait_for
+from planner_service.service.metrics import ServiceMetrics
+from planner_service.service.schemas import FieldError
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+ENTRY_OVERHEAD_BYTES = 512
+"""Bookkeeping charged per batch on top of its plan bytes."""
+
+
+class Conflict(Exception):
+    """A batch id was reused with different content."""
+
+
+class NotFound(Exception):
+    """Unknown job or batch (never submitted, expired or evicted)."""
+
+
+def check_id(value: str, name: str) -> str:
+    """Job and batch ids: 1-128 characters of [A-Za-z0-9_.:-]; raises FieldError."""
+    if not isinstance(value, str) or not ID_PATTERN.match(value):
+        raise FieldError(name, f"{name} must be 1-128 characters of letters, digits and "
+                         f"_.:- starting with a letter or digit, got {value!r}")
+    return value
+
+
+@dataclass(eq=False)
+class BatchEntry:
+    job: str
+    batch: str
+    key: str
+    """Content hash of the request (schemas.request_key)."""
+    future: asyncio.Future[SolveResult]
+    deadline: float
+    """Monotonic time after which a pending batch is reported as failed."""
+    finished_at: float | None = None
+    size: int = ENTRY_OVERHEAD_BYTES
+    evicted: bool = field(default=False)
+
+    @property
+    def status(self) -> str:
+        if not self.future.done():
+            return "pending"
+        if self.future.cancelled() or self.future.exception() is not None:
+            return "failed"
+        return "done"
+
+    @property
+    def plan_id(self) -> str | None:
+        return self.future.result().plan_id if self.status == "done" else None
+
+
+class JobStore:
+    """Batches by job, with TTL and memory bounds. Use from one event loop."""
+
+    def __init__(self, *, ttl_s: float, max_jobs: int, max_batches_per_job: int,
+                 memory_bytes: int, deadline_s: float, metrics: ServiceMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_jobs = max_jobs
+        self.max_batches_per_job = max_batches_per_job
+        self.memory_bytes = memory_bytes
+        self.deadline_s = deadline_s
+        self.metrics = metrics
+        self.clock = clock
+        self._jobs: OrderedDict[str, OrderedDict[str, BatchEntry]] = OrderedDict()
+        self._finished: deque[BatchEntry] = deque()
+        """Finished entries in finishing order: the TTL and memory eviction order."""
+        self._bytes = 0
+        self._num_batches = 0
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def num_batches(self) -> int:
+        return self._num_batches
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def submit(self, job: str, batch: str, key: str,
+               start: Callable[[], asyncio.Future[SolveResult]]) -> tuple[BatchEntry, bool]:
+        """Register a batch and start its solve with ``start()``; returns (entry, created).
+
+        Raises FieldError for bad ids, Conflict if the batch exists with other content,
+        and whatever ``start`` raises (Overloaded) without registering anything.
+        """
+        check_id(job, "job")
+        check_id(batch, "batch")
+        self.sweep()
+        batches = self._jobs.get(job)
+        if batches is not None:
+            self._jobs.move_to_end(job)
+            existing = batches.get(batch)
+            if existing is not None:
+                if existing.key != key:
+                    raise Conflict(f"batch {batch!r} of job {job!r} was already submitted with "
+                                   "different content; use a new batch id")
+                if existing.status != "failed":
+                    return existing, False
+                self._drop(existing, "resubmitted")  # a failed batch may be retried
+                batches = self._jobs.get(job)
+        future = start()
+        entry = BatchEntry(job=job, batch=batch, key=key, future=future,
+                           deadline=self.clock() + self.deadline_s)
+        if batches is None:
+            batches = self._jobs[job] = OrderedDict()
+        batches[batch] = entry
+        self._num_batches += 1
+        future.add_done_callback(lambda _: self._on_done(entry))
+        while len(batches) > self.max_batches_per_job:
+            self._drop(next(iter(batches.values())), "job_window")
+        while len(self._jobs) > self.max_jobs:
+            oldest = next(iter(self._jobs))
+            for old in list(self._jobs[oldest].values()):
+                self._drop(old, "max_jobs")
+        self._gauges()
+        return entry, True
+
+    def get(self, job: str, batch: str) -> BatchEntry:
+        """The entry of a batch; raises FieldError for bad ids and NotFound."""
+        check_id(job, "job")
+        check_id(batch, "batch")
+        self.sweep()
+        batches = self._jobs.get(job)
+        entry = batches.get(batch) if batches is not None else None
+        if entry is None:
+            raise NotFound(f"batch {batch!r} of job {job!r} is unknown: never submitted, "
+                           "expired or evicted")
+        return entry
+
+    async def fetch(self, job: str, batch: str, wait_s: float) -> BatchEntry:
+        """Wait up to ``wait_s`` for the batch to finish and return its entry (maybe pending).
+
+        A batch pending past its deadline fails with DeadlineExceeded.
+        """
+        entry = self.get(job, batch)
+        if entry.status == "pending":
+            remaining = entry.deadline - self.clock()
+            if remaining <= 0:
+                raise DeadlineExceeded(f"batch {batch!r} of job {job!r} was not solved within "
+                                       f"{self.deadline_s:g} s")
+            try:
+                await wait_for(entry.future, min(wait_s, remaining))
+            except DeadlineExceeded:
+                pass
+            except Exception:  # noqa: BLE001 - the failure is reported from the entry
+                pass
+        return entry
+
+    def sweep(self) -> None:
+        """Drop finished batches past their TTL, then the oldest beyond the memory bound."""
+        now = self.clock()
+        while self._finished:
+            oldest = self._finished[0]
+            finished = oldest.finished_at if oldest.finished_at is not None else now
+            if not oldest.evicted and finished + self.ttl_s > now:
+                break
+            self._finished.popleft()
+            if not oldest.evicted:
+                self._drop(oldest, "ttl")
+        while self._bytes > self.memory_bytes and self._finished:
+            entry = self._finished.popleft()
+            if not entry.evicted:
+                self._drop(entry, "memory")
+        self._gauges()
+
+    def _on_done(self, entry: BatchEntry) -> None:
+        if entry.evicted:
+            return
+        entry.finished_at = self.clock()
+        if entry.status == "done":
+            entry.size += len(entry.future.result().plan_json)
+        self._bytes += entry.size
+        self._finished.append(entry)
+        self.sweep()
+
+    def _drop(self, entry: BatchEntry, reason: str) -> None:
+        if entry.evicted:
+            return
+        entry.evicted = True
+        batches = self._jobs.get(entry.job)
+        if batches is not None and batches.get(entry.batch) is entry:
+            del batches[entry.batch]
+            self._num_batches -= 1
+            if not batches:
+                del self._jobs[entry.job]
+        if entry.finished_at is not None:
+            self._bytes -= entry.size
+        self.metrics.job_evictions.labels(reason).inc()
+
+    def _gauges(self) -> None:
+        self.metrics.jobs.set(len(self._jobs))
+        self.metrics.job_batches.set(self._num_batches)

@@ -1,0 +1,234 @@
+"""The service's operations, shared by the HTTP routes and the gRPC servicer.
+
+Both edges only convert wire types to calls on :class:`PlannerService` and its results
+back; validation, limits, queueing, caching and the job store all live behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+from planner_service.core.request import PlanRequest
+from planner_service.service import fcp_bridge
+from planner_service.service.executor import (
+    DeadlineExceeded,
+    Executor,
+    Overloaded,
+    SolveResult,
+)
+from planner_service.service.jobs import BatchEntry, JobStore
+from planner_service.service.metrics import ServiceMetrics
+from planner_service.service.schemas import (
+    CompareRequestIn,
+    FieldError,
+    Limits,
+    PlanRequestIn,
+    ScheduleRequestIn,
+    check_strategy,
+    field_of,
+    request_key,
+    to_plan_request,
+)
+from planner_service.service.settings import Settings
+from planner_service.solvers.registry import STRATEGIES, get_strategy, strategy_names
+
+log = logging.getLogger("planner_service.service")
+
+MAX_REPORTED_FALLBACKS = 1_000_000
+
+
+class NotImplementedYet(Exception):
+    """An operation whose back end is not installed (FCP scheduling before issue 4)."""
+
+
+class Comparison(NamedTuple):
+    results: list[SolveResult]
+    """One per strategy that gave a plan, in the order asked for."""
+    errors: dict[str, str]
+    """strategy -> why it gave no plan."""
+
+
+class PlannerService:
+    """Settings, limits, metrics, the solver executor and the job store of one process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.limits = Limits.from_settings(settings)
+        self.metrics = ServiceMetrics()
+        self.executor = Executor(settings, self.metrics)
+        self.jobs = JobStore(
+            ttl_s=settings.job_ttl_s, max_jobs=settings.max_jobs,
+            max_batches_per_job=settings.max_batches_per_job,
+            memory_bytes=int(settings.job_memory_mb * 2**20),
+            deadline_s=settings.request_timeout_s, metrics=self.metrics)
+        self.ready = False
+        """Readiness: true once the pool is warm, false again as soon as shutdown starts."""
+        self.metrics.ready.set_function(lambda: 1.0 if self.ready else 0.0)
+
+    async def start(self) -> None:
+        await self.executor.start()
+        self.ready = True
+
+    async def close(self) -> None:
+        self.ready = False
+        await self.executor.close()
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def request(self, body: PlanRequestIn, strategy: str | None = None
+                ) -> tuple[PlanRequest, str]:
+        """Core request and its content hash; raises FieldError."""
+        request = to_plan_request(body, self.limits, strategy=strategy)
+        check_strategy(request)
+        return request, request_key(request)
+
+    async def plan(self, body: PlanRequestIn, timeout_s: float | None = None) -> SolveResult:
+        """Solve one request; raises FieldError, Overloaded, DeadlineExceeded, PlanError."""
+        request, key = self.request(body)
+        return await self.executor.solve(request, key, timeout_s)
+
+    async def compare(self, body: CompareRequestIn, timeout_s: float | None = None
+                      ) -> Comparison:
+        """Plan the same input with several strategies concurrently.
+
+        Each strategy gets the options it declares; an option no strategy declares is a
+        FieldError. Overload of any one makes the whole call Overloaded (back-pressure).
+        """
+        names = body.strategies if body.strategies is not None else strategy_names()
+        if not names:
+            raise FieldError("strategies", "strategies must not be empty")
+        if len(set(names)) != len(names):
+            raise FieldError("strategies", f"strategies has duplicates: {names}")
+        for name in names:
+            try:
+                get_strategy(name)
+            except ValueError as exc:
+                raise FieldError("strategies", f"strategies: {exc}") from None
+        declared = {o for n in names for o in STRATEGIES[n].options}
+        unknown = sorted(set(body.options) - declared)
+        if unknown:
+            raise FieldError("options", f"options {unknown} are not options of any of the "
+                             f"strategies {names}")
+        base = to_plan_request(body, self.limits, strategy=names[0])
+        futures = []
+        for name in names:
+            options = {k: v for k, v in body.options.items() if k in STRATEGIES[name].options}
+            request = replace(base, strategy=name, options=options)
+            futures.append(self.executor.submit(request, request_key(request)))
+        deadline = self.executor.timeout_for(timeout_s, base)
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(asyncio.shield(f), deadline) for f in futures),
+            return_exceptions=True)
+        results, errors = [], {}
+        for name, outcome in zip(names, outcomes, strict=True):
+            if isinstance(outcome, SolveResult):
+                results.append(outcome)
+            elif isinstance(outcome, TimeoutError):
+                errors[name] = f"no plan within the deadline of {deadline:g} s"
+            elif isinstance(outcome, FieldError):
+                errors[name] = str(outcome)
+            else:
+                raise outcome
+        return Comparison(results, errors)
+
+    async def schedule(self, body: ScheduleRequestIn, timeout_s: float | None = None
+                       ) -> tuple[str, float]:
+        """FCP scheduling of a batch of sequences; returns (result JSON, solve ms).
+
+        Raises NotImplementedYet until ``planner_service.fcp.schedule`` exists.
+        """
+        if fcp_bridge.load_schedule() is None:
+            raise NotImplementedYet(
+                "FCP scheduling is not available in this build: planner_service.fcp.schedule "
+                "is not installed (FCP issue); use /v1/plan per sequence meanwhile")
+        if len(body.sequences) > self.limits.max_sequences:
+            raise FieldError("sequences", f"sequences has {len(body.sequences)} entries, above "
+                             f"the limit {self.limits.max_sequences} (PLANNER_MAX_SEQUENCES)")
+        for i, seq in enumerate(body.sequences):
+            if not seq:
+                raise FieldError(f"sequences.{i}", f"sequences.{i} must not be empty")
+            if len(seq) > self.limits.max_docs:
+                raise FieldError(f"sequences.{i}", f"sequences.{i} has {len(seq)} documents, "
+                                 f"above the limit {self.limits.max_docs} (PLANNER_MAX_DOCS)")
+            if sum(seq) > self.limits.max_tokens:
+                raise FieldError(f"sequences.{i}", f"sequences.{i} sums to {sum(seq)} tokens, "
+                                 f"above the limit {self.limits.max_tokens} (PLANNER_MAX_TOKENS)")
+        if body.num_ranks > self.limits.max_cp_size:
+            raise FieldError("num_ranks", f"num_ranks must be in [1, {self.limits.max_cp_size}] "
+                             f"(PLANNER_MAX_CP_SIZE), got {body.num_ranks}")
+        payload = body.model_dump()
+        if not isinstance(payload.get("profile", ""), str) or \
+                str(payload.get("profile", "")).startswith("file:"):
+            raise FieldError("profile", "profile must be the name of a built-in FCP profile "
+                             "(file: paths are not accepted over the network)")
+        try:
+            text, ms = await self.executor.call(fcp_bridge.schedule_in_worker, payload,
+                                                timeout_s=timeout_s)
+        except ValueError as exc:
+            raise FieldError(field_of(str(exc)), str(exc)) from None
+        return text, ms
+
+    # ---- jobs -------------------------------------------------------------------------
+
+    def submit(self, job: str, batch: str, body: PlanRequestIn) -> tuple[BatchEntry, bool]:
+        """Start planning a batch; returns (entry, created). Raises FieldError, Conflict,
+        Overloaded."""
+        request, key = self.request(body)
+        return self.jobs.submit(job, batch, key, lambda: self.executor.submit(request, key))
+
+    async def fetch(self, job: str, batch: str, wait_ms: int) -> BatchEntry:
+        """Long-poll a batch up to ``wait_ms`` (capped at PLANNER_MAX_WAIT_MS)."""
+        if wait_ms < 0:
+            raise FieldError("wait_ms", f"wait_ms must be >= 0, got {wait_ms}")
+        wait_s = min(wait_ms, self.settings.max_wait_ms) / 1e3
+        return await self.jobs.fetch(job, batch, wait_s)
+
+    # ---- misc -------------------------------------------------------------------------
+
+    @staticmethod
+    def strategies() -> list[dict[str, Any]]:
+        return [{"name": s.name, "description": s.description, "comm_mode": s.comm_mode,
+                 "options": dict(s.options)} for s in (get_strategy(n) for n in strategy_names())]
+
+    def report_fallbacks(self, value: str | None) -> None:
+        """Count fallbacks a client reports (header X-Planner-Fallbacks); ignores junk."""
+        if not value:
+            return
+        try:
+            count = int(value)
+        except ValueError:
+            return
+        if 0 < count <= MAX_REPORTED_FALLBACKS:
+            self.metrics.fallbacks.labels("client").inc(count)
+
+
+__all__ = ["Comparison", "DeadlineExceeded", "NotImplementedYet", "Overloaded",
+           "PlannerService", "SolveResult"]
+
+
+def sample_lengths(dataset: str, context_length: int, seed: int) -> list[int]:
+    """One packed sequence of ``dataset`` (for the web page); raises FieldError."""
+    from planner_service.data import FAMILIES, SHARED_FILES, make_source, pack_sequences
+
+    allowed = sorted(set(SHARED_FILES) | set(FAMILIES))
+    if dataset not in allowed:  # never file:PATH: the server's files are not for callers
+        raise FieldError("dataset", f"dataset must be one of {', '.join(allowed)}, "
+                         f"got {dataset!r}")
+    if not 1 <= context_length <= 4 * 2**20:
+        raise FieldError("context_length", f"context_length must be in [1, {4 * 2**20}], "
+                         f"got {context_length}")
+    if not 0 <= seed <= 2**32:
+        raise FieldError("seed", f"seed must be in [0, {2**32}], got {seed}")
+    try:
+        if dataset not in _SOURCES:
+            _SOURCES[dataset] = make_source(dataset)  # a lengths file is read once
+        src = _SOURCES[dataset]
+    except ValueError as exc:
+        raise FieldError("dataset", str(exc)) from None
+    return pack_sequences(src, context_length=context_length, num_sequences=1, seed=seed)[0]
+
+
+_SOURCES: dict[str, Any] = {}

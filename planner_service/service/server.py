@@ -1,0 +1,131 @@
+"""``planner serve``: HTTP (uvicorn) and gRPC in one process and one event loop.
+
+SIGTERM/SIGINT: readiness turns false (``/readyz`` 503, gRPC health NOT_SERVING), both
+servers stop accepting and give in-flight requests PLANNER_SHUTDOWN_GRACE_S to finish,
+the solver pool drains, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+
+from planner_service.service.grpc_server import GrpcServer, start_grpc
+from planner_service.service.http_app import create_app
+from planner_service.service.ops import PlannerService
+from planner_service.service.settings import Settings
+
+log = logging.getLogger("planner_service.service")
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: this process handles signals once, for
+    both servers (uvicorn would re-raise SIGTERM at exit and turn exit 0 into 143)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bound_port(server: uvicorn.Server) -> int:
+    for s in server.servers:
+        for sock in s.sockets:
+            return int(sock.getsockname()[1])
+    raise RuntimeError("uvicorn started without a listening socket")
+
+
+async def serve(settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code (0 after a graceful stop)."""
+    service = PlannerService(settings)
+    await service.start()
+    service.ready = False  # until both edges have answered once (see _warm_up)
+    app = create_app(settings, service)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.http_port, log_level=settings.log_level,
+        access_log=False, lifespan="on",
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+        server_header=False)
+    http = _Uvicorn(config)
+    grpc_server: GrpcServer | None = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    http_task = asyncio.create_task(http.serve())
+    try:
+        while not http.started:
+            if http_task.done():  # e.g. the port is taken
+                await http_task
+                raise RuntimeError(f"HTTP could not start on {settings.host}:"
+                                   f"{settings.http_port} (PLANNER_HTTP_PORT)")
+            await asyncio.sleep(0.01)
+        http_port = _bound_port(http)
+        grpc_text = "gRPC disabled"
+        if settings.grpc_enabled:
+            grpc_server = await start_grpc(service, settings.host, settings.grpc_port)
+            grpc_text = f"gRPC on {settings.host}:{grpc_server.port}"
+        await _warm_up(settings, http_port, grpc_server.port if grpc_server else None)
+        service.ready = True
+        if grpc_server is not None:
+            await grpc_server.set_serving(True)
+        url = f"http://{settings.host}:{http_port}/"
+        # One parseable line: tests and `make run` read the ports from it.
+        print(f"planner serving: {url} (web page; API docs at {url}docs), {grpc_text}",
+              flush=True)
+        await stop.wait()
+    finally:
+        log.info("shutting down: readiness false, draining in-flight requests")
+        service.ready = False
+        http.should_exit = True
+        stops = [http_task]
+        if grpc_server is not None:
+            stops.append(asyncio.ensure_future(grpc_server.stop(settings.shutdown_grace_s)))
+        await asyncio.gather(*stops, return_exceptions=True)
+        await service.close()
+    log.info("stopped")
+    return 0
+
+
+async def _warm_up(settings: Settings, http_port: int, grpc_port: int | None) -> None:
+    """Send one plan request through each edge over loopback before reporting ready: the
+    first request of a fresh process pays for lazy imports and schema builds (~0.5 s)."""
+    import httpx
+
+    from planner_service.core.request import debug_request
+
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "", "::") else settings.host
+    token = settings.token_value()
+    body = {"doc_lengths": list(debug_request().doc_lengths), "cp_size": 4}
+    try:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with httpx.AsyncClient(base_url=f"http://{host}:{http_port}", headers=headers,
+                                     timeout=30, trust_env=False) as client:
+            await client.post("/v1/plan", json=body)
+            await client.get("/v1/strategies")
+        if grpc_port is not None:
+            import grpc
+
+            from planner_service.proto_build import load
+            from planner_service.service.grpc_wire import dict_to_request
+
+            stubs = load()
+            metadata = (("authorization", f"Bearer {token}"),) if token else ()
+            async with grpc.aio.insecure_channel(f"{host}:{grpc_port}") as channel:
+                await stubs.pb2_grpc.PlannerStub(channel).Plan(
+                    dict_to_request(stubs.pb2, body), metadata=metadata, timeout=30)
+    except Exception as exc:  # noqa: BLE001 - warming is best effort
+        log.warning("warm-up request failed: %s", exc)
+
+
+def run(settings: Settings) -> int:
+    """Blocking entry point of ``planner serve``."""
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the warm-up's own requests
+    return asyncio.run(serve(settings))

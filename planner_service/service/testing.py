@@ -1,0 +1,100 @@
+"""Run ``planner serve`` in a child process on loopback, for tests and benchmarks.
+
+The server binds port 0 (or given ports) and prints one line with the bound ports;
+:class:`ServerProcess` waits for it, so there is no race for free ports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+LINE = re.compile(r"planner serving: (http://[^/ ]+)/ .*?(?:gRPC on (\S+)|gRPC disabled)")
+
+
+class ServerProcess:
+    """A ``planner serve`` child; use as a context manager (stops it with SIGTERM)."""
+
+    def __init__(self, *, workers: int = 1, http_port: int = 0, grpc_port: int = 0,
+                 grpc: bool = True, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 90.0) -> None:
+        self.workers = workers
+        self.http_port = http_port
+        self.grpc_port = grpc_port
+        self.grpc = grpc
+        self.env = dict(env or {})
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[str] | None = None
+        self.http_url = ""
+        self.grpc_target = ""
+        self.output: deque[str] = deque(maxlen=200)
+
+    def start(self) -> ServerProcess:
+        """Start and wait for the 'planner serving' line; raises RuntimeError if it dies."""
+        args = [sys.executable, "-c", "from planner_service.cli import main; main()", "serve",
+                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+                "--workers", str(self.workers)]
+        if not self.grpc:
+            args.append("--no-grpc")
+        env = {**os.environ, "PLANNER_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1",
+               **self.env}
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+        found = threading.Event()
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.output.append(line.rstrip())
+                match = LINE.search(line)
+                if match and not found.is_set():
+                    self.http_url = match.group(1)
+                    self.grpc_target = match.group(2) or ""
+                    found.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not found.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("planner serve did not start:\n" + "\n".join(self.output))
+        # Remember the bound ports so that restart() comes back on the same ones.
+        self.http_port = int(self.http_url.rsplit(":", 1)[1])
+        if self.grpc_target:
+            self.grpc_port = int(self.grpc_target.rsplit(":", 1)[1])
+        return self
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{self.grpc_target}"
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, then wait; returns the exit code (SIGKILL after ``timeout_s``)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return -9
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (the solver workers notice and exit too)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
