@@ -8,8 +8,16 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import timed_solve
+
+SolveFn = Callable[[PlanRequest], tuple[Plan, float]]
+"""request -> (plan, solve_ms); local by default, a service call with ``--url``."""
+
+
+def _local(request: PlanRequest) -> tuple[Plan, float]:
+    return tuple(timed_solve(request, check=False))  # type: ignore[return-value]
 
 
 class StrategySummary(NamedTuple):
@@ -36,12 +44,13 @@ def summarize(
     base: PlanRequest,
     *,
     on_plan: Callable[[int, object], None] | None = None,
+    solve: SolveFn = _local,
 ) -> StrategySummary:
     """Plan every sequence with ``strategy`` (other fields from ``base``) and summarise."""
     imb, sav, sag, sa2, est, t = [], [], [], [], [], []
     for i, seq in enumerate(sequences):
         request = replace(base, doc_lengths=tuple(seq), strategy=strategy)
-        plan, solve_ms = timed_solve(request, check=False)
+        plan, solve_ms = solve(request)
         m = plan.metrics
         imb.append(m.imbalance)
         sav.append(m.comm_saving)
@@ -66,7 +75,10 @@ def summarize(
 
 
 def compare(
-    strategies: Sequence[str], sequences: Sequence[Sequence[int]], base: PlanRequest
+    strategies: Sequence[str],
+    sequences: Sequence[Sequence[int]],
+    base: PlanRequest,
+    solve: SolveFn = _local,
 ) -> list[StrategySummary]:
     """One summary per strategy, the same sequences for each."""
-    return [summarize(s, sequences, base) for s in strategies]
+    return [summarize(s, sequences, base, solve=solve) for s in strategies]

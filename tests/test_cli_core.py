@@ -78,3 +78,36 @@ def test_rejects_bad_input_with_exit_2(args, message):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert message in result.output.replace("\n", "")
+
+
+def test_url_asks_a_running_service_and_gets_the_local_plan():
+    from planner_service.service.testing import ServerProcess
+
+    with ServerProcess(grpc=False) as server:
+        result = runner.invoke(
+            app, ["plan", "--docs", DOCS, "--cp", "4", "--json", "--url", server.http_url]
+        )
+        assert result.exit_code == 0, result.output
+        local = runner.invoke(app, ["plan", "--docs", DOCS, "--cp", "4", "--json"])
+        assert result.output == local.output
+        result = runner.invoke(
+            app,
+            [
+                "compare",
+                "--docs",
+                DOCS,
+                "--cp",
+                "4",
+                "--strategies",
+                "llama3,flashcp",
+                "--url",
+                server.http_url,
+            ],
+        )
+        assert result.exit_code == 0, result.output
+        assert "llama3" in result.output and "flashcp" in result.output
+        bad = runner.invoke(
+            app,
+            ["plan", "--docs", "5,1", "--cp", "2", "--strategy", "nope", "--url", server.http_url],
+        )
+        assert bad.exit_code == 2

@@ -140,10 +140,12 @@ def plan(
             kernel=kernel,
             link=link,
         )
+        where = "server" if url else "local"
         if url:
             from planner_service.client import remote_plan
 
-            result, solve_ms = remote_plan(url, request), None
+            remote = remote_plan(url, request)
+            result, solve_ms = remote.plan, remote.solve_ms
         else:
             result, solve_ms = timed_solve(request)
     except ValueError as exc:
@@ -153,8 +155,7 @@ def plan(
         return
     console.print(_rank_table(result))
     console.print(_metrics_table(result))
-    if solve_ms is not None:
-        console.print(f"solved in {solve_ms:.3f} ms (local)")
+    console.print(f"solved in {solve_ms:.3f} ms ({where})")
 
 
 def _summary_table(summaries: list[StrategySummary], title: str) -> Table:
@@ -212,24 +213,21 @@ def compare_cmd(
         else [s for s in strategy_names() if s not in ("ilp", "fcp")]
     )
     try:
+        base = PlanRequest(
+            doc_lengths=tuple(sequences[0]),
+            cp_size=cp,
+            context_length=context,
+            imbalance_target=imbalance_target,
+        )
         if url:
-            from planner_service.client import remote_compare
+            from planner_service.client import remote_plan
 
-            summaries = remote_compare(
-                url,
-                sequences,
-                cp_size=cp,
-                strategies=names,
-                context_length=context,
-                imbalance_target=imbalance_target,
-            )
+            def ask_service(request: PlanRequest) -> tuple[Plan, float]:
+                remote = remote_plan(url, request)
+                return remote.plan, remote.solve_ms
+
+            summaries = compare(names, sequences, base, solve=ask_service)
         else:
-            base = PlanRequest(
-                doc_lengths=tuple(sequences[0]),
-                cp_size=cp,
-                context_length=context,
-                imbalance_target=imbalance_target,
-            )
             summaries = compare(names, sequences, base)
     except ValueError as exc:
         raise _fail(str(exc)) from None
