@@ -118,6 +118,12 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
               summary="FCP: schedule a batch of sequences (501 until FCP is installed)",
               openapi_extra=body_doc(ScheduleRequestIn))
     async def schedule(request: Request, deadline_ms: DeadlineHeader = None) -> Response:
+        # Refuse a flood of tiny sequences before parsing: a 4 MiB body of "[1]," would
+        # cost ~1 s and ~200 MB of Python lists to validate. Every sequence opens a "[".
+        limit = svc.limits.max_sequences
+        if (await request.body()).count(b"[") > limit + 64:
+            raise FieldError("sequences", f"sequences has more than {limit} entries, the "
+                             "limit (PLANNER_MAX_SEQUENCES)")
         body = await parse_body(request, ScheduleRequestIn)
         text, ms = await svc.schedule(body, _seconds(deadline_ms))
         return Response(text, media_type=JSON, headers={"Server-Timing": f"solve;dur={ms:.3f}"})
@@ -149,8 +155,8 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
             return JSONResponse(job_status(entry), status_code=202)
         return plan_response(entry.future.result())  # re-raises a failed solve's error
 
-    @app.get("/v1/sample", tags=["web"], summary="Doc lengths of one packed sequence of a "
-             "data set (for the web page)")
+    @app.get("/v1/sample", tags=["web"], responses={422: ERRORS[422]},
+             summary="Doc lengths of one packed sequence of a data set (for the web page)")
     async def sample(dataset: str = "wlbllm",
                      context_length: Annotated[int, Query(ge=1, le=4 * 2**20)] = 131072,
                      seed: Annotated[int, Query(ge=0, le=2**32)] = 0) -> dict[str, Any]:
