@@ -1,0 +1,170 @@
+"""Strategy ``ilp``: registration, plan invariants, determinism, limits, fallback, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner_service.core.plan import Shard
+from planner_service.core.request import debug_request
+from planner_service.core.validate import validate_plan
+from planner_service.solvers import ilp
+from planner_service.solvers.ilp_blocks import cut_blocks, place_blocks
+from planner_service.solvers.registry import get_strategy, solve
+
+QUICK = {"time_limit_s": 0.5, "workers": 1}
+
+
+def test_registers_ilp_with_its_options():
+    strategy = get_strategy("ilp")
+    assert set(strategy.options) == {"granularity", "time_limit_s", "objective", "workers", "head_docs"}
+    assert strategy.comm_mode == "alltoallv"
+
+
+def test_plan_is_valid_and_reports_solver_figures():
+    plan = solve(debug_request(strategy="ilp", options=QUICK))
+    validate_plan(plan)
+    info = plan.info
+    assert info["status"] in ("OPTIMAL", "FEASIBLE", "FALLBACK")
+    assert 0 <= info["best_bound"] <= info["objective_value"]
+    assert info["objective_value"] == plan.metrics.alltoallv_tokens
+    assert info["gap"] == pytest.approx(
+        (info["objective_value"] - info["best_bound"]) / max(1, info["objective_value"]), abs=1e-12)
+    # Plan info is JSON scalars only.
+    assert all(isinstance(v, (str, int, float, bool)) for v in json.loads(plan.to_json())["info"].values())
+
+
+def test_equal_tokens_with_minimal_explicit_padding():
+    request = debug_request(strategy="ilp", options=QUICK)
+    plan = solve(request)
+    total = sum(request.doc_lengths)
+    per_rank = -(-total // request.cp_size)
+    assert plan.metrics.tokens_per_rank == per_rank
+    assert plan.metrics.padding_tokens == per_rank * request.cp_size - total
+
+
+def test_comm_objective_meets_r_and_beats_or_ties_flashcp():
+    request = debug_request(strategy="ilp", options=QUICK)
+    plan = solve(request)
+    flashcp = solve(debug_request(strategy="flashcp"))
+    assert plan.metrics.imbalance <= request.imbalance_target
+    assert plan.metrics.alltoallv_tokens <= flashcp.metrics.alltoallv_tokens
+    assert plan.info["hint_objective_value"] == flashcp.metrics.alltoallv_tokens
+
+
+def test_balance_objective_is_at_least_as_balanced_as_flashcp():
+    plan = solve(debug_request(strategy="ilp", options={**QUICK, "objective": "balance"}))
+    flashcp = solve(debug_request(strategy="flashcp"))
+    assert plan.info["objective"] == "balance"
+    assert plan.info["objective_value"] == plan.metrics.max_workload
+    assert plan.metrics.max_workload <= flashcp.metrics.max_workload
+
+
+def test_same_request_gives_the_same_plan_byte_for_byte(monkeypatch):
+    # Several workers (interleaved search) stopped by the deterministic limit, not OPTIMAL;
+    # a loose wall guard so a busy machine cannot cut the solve short.
+    monkeypatch.setattr(ilp, "WALL_GUARD", 100.0)
+    request = debug_request(strategy="ilp", options={"time_limit_s": 0.3, "workers": 2})
+    first, second = solve(request), solve(request)
+    assert first.info["status"] == "FEASIBLE" and first.info["deterministic"]
+    assert first.to_json() == second.to_json()
+
+
+def test_time_limit_is_capped_by_the_module_constant(monkeypatch):
+    monkeypatch.setattr(ilp, "MAX_TIME_LIMIT_S", 0.2)
+    plan = solve(debug_request(strategy="ilp", options={"time_limit_s": 1000, "workers": 1}))
+    assert plan.info["time_limit_s"] == 0.2
+
+
+def test_falls_back_to_flashcp_when_nothing_is_found_in_time():
+    plan = solve(debug_request(strategy="ilp", options={"time_limit_s": 1e-9, "workers": 1}))
+    flashcp = solve(debug_request(strategy="flashcp"))
+    assert plan.info["status"] == "FALLBACK"
+    assert plan.metrics.alltoallv_tokens == flashcp.metrics.alltoallv_tokens
+    validate_plan(plan)
+
+
+def test_blocks_have_a_geometric_head_and_the_granularity_grid():
+    blocks = cut_blocks([10, 3], 4, {0: [7]})
+    assert [(b.start, b.end) for b in blocks.blocks if b.doc == 0] == [
+        (0, 1), (1, 2), (2, 4), (4, 7), (7, 8), (8, 10)]
+    assert [(b.start, b.end) for b in blocks.blocks if b.doc == 1] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_rejects_a_layout_that_cuts_a_block():
+    blocks = cut_blocks([10], 4)
+    with pytest.raises(ValueError, match="cuts block"):
+        place_blocks(blocks, [[Shard(0, 0, 5)], [Shard(0, 5, 10)]])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"time_limit_s": 0}, "time_limit_s must be a number > 0"),
+        ({"time_limit_s": -1.0}, "time_limit_s must be a number > 0"),
+        ({"time_limit_s": float("nan")}, "time_limit_s must be a number > 0"),
+        ({"time_limit_s": "10"}, "time_limit_s must be a number > 0"),
+        ({"granularity": 9000}, "larger than the longest doc"),
+        ({"granularity": 0}, "granularity must be an integer >= 1"),
+        ({"granularity": 2.5}, "granularity must be an integer >= 1"),
+        ({"granularity": 1}, "raise the granularity"),
+        ({"objective": "speed"}, "objective must be one of comm, balance"),
+        ({"workers": 0}, "workers must be an integer in"),
+        ({"workers": True}, "workers must be an integer in"),
+    ],
+)
+def test_rejects_bad_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        solve(debug_request(strategy="ilp", options=options))
+
+
+def test_rejects_unknown_option():
+    with pytest.raises(ValueError, match="not options of strategy 'ilp'"):
+        solve(debug_request(strategy="ilp", options={"seed": 3}))
+
+
+def test_rejects_r_below_what_integer_tokens_allow():
+    # One token over two ranks: one rank carries all the work, imbalance 2.
+    with pytest.raises(ValueError, match="below what integer tokens allow"):
+        solve(debug_request(strategy="ilp", doc_lengths=(1,), cp_size=2, imbalance_target=1.5,
+                            options={"granularity": 1}))
+
+
+def test_rejects_r_that_no_placement_of_the_blocks_meets():
+    # Docs of 1 and 6 tokens on 2 ranks (at most 4 tokens each), R = 1.0: each rank must
+    # carry 11 pairs. Token blocks allow positions {0, 3, 5} of the 6-token doc on one rank
+    # and {1, 2, 4} plus doc 0 on the other; blocks of 2 keep [4, 6) (11 pairs, 2 tokens)
+    # together, which forces 5 tokens onto the other rank.
+    request = debug_request(strategy="ilp", doc_lengths=(1, 6), cp_size=2, imbalance_target=1.0,
+                            options={"granularity": 2, "workers": 1})
+    with pytest.raises(ValueError, match="cannot be met with granularity 2"):
+        solve(request)
+    plan = solve(debug_request(strategy="ilp", doc_lengths=(1, 6), cp_size=2, imbalance_target=1.0,
+                               options={"granularity": 1, "workers": 1}))
+    assert plan.metrics.imbalance == 1.0 and plan.info["status"] == "OPTIMAL"
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    doc_lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=12),
+    cp_size=st.integers(1, 5),
+    granularity=st.sampled_from([64, 256, 1024]),
+)
+def test_any_request_gives_a_valid_plan_within_r_or_the_fallback(doc_lengths, cp_size, granularity):
+    g = min(granularity, max(doc_lengths))
+    request = debug_request(strategy="ilp", doc_lengths=tuple(doc_lengths), cp_size=cp_size,
+                            imbalance_target=1.2, options={"granularity": g, "time_limit_s": 0.2,
+                                                           "workers": 1})
+    try:
+        plan = solve(request)
+    except ValueError as exc:
+        assert "imbalance_target" in str(exc)
+        return
+    validate_plan(plan)
+    total = sum(doc_lengths)
+    assert plan.metrics.tokens_per_rank == -(-total // cp_size)
+    if plan.info["status"] != "FALLBACK":
+        assert plan.metrics.imbalance <= 1.2
