@@ -41,7 +41,7 @@ DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"
 HEALTHCHECK = DEPLOY / "healthcheck.py"
 UNIT = DEPLOY / "systemd" / "cp-planner.service"
 ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
-OPERATIONS_DOC = ROOT / "docs" / "operations.md"
+README = ROOT / "README.md"
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 
 SETTINGS_MODULE = "planner_service.service.settings"
@@ -344,7 +344,9 @@ def test_settings_defaults_match_the_image_and_manifests() -> None:
 
 def test_operations_doc_lists_every_setting() -> None:
     names = settings_env_names(settings_class())
-    documented = set(re.findall(r"`(PLANNER_[A-Z0-9_]+)`", OPERATIONS_DOC.read_text()))
+    # The README's Operations section: from its heading to the next top-level section.
+    operations = README.read_text().split("\n## Operations\n", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(PLANNER_[A-Z0-9_]+)`", operations))
     assert not documented - names, f"docs name unknown settings {sorted(documented - names)}"
     assert not names - documented, f"docs miss settings {sorted(names - documented)}"
 
@@ -552,7 +554,7 @@ def alert_rules() -> list[dict[str, Any]]:
 def test_alert_rules_are_well_formed_and_documented() -> None:
     import promql_parser
 
-    doc = OPERATIONS_DOC.read_text().lower()
+    doc = README.read_text().lower()
     rules = alert_rules()
     assert {r["alert"] for r in rules} >= {"PlannerHighErrorRate", "PlannerSolveLatencyHigh",
                                            "PlannerQueueSaturated", "PlannerShedding",

@@ -22,7 +22,7 @@ def serve(
 ) -> None:
     """Run the planner service: HTTP (web page at /, OpenAPI at /docs) and gRPC.
 
-    Every other setting comes from PLANNER_* environment variables (docs/service.md).
+    Every other setting comes from PLANNER_* environment variables (the README (planner service, settings)).
     """
     from pydantic import ValidationError
 
