@@ -85,26 +85,20 @@ def test_short_shards_run_slower_per_pair():
     m, k, link = ModelSpec(), KERNEL_PROFILES["h100-fa3"], LINK_PROFILES["nvlink"]
     one_long = [Shard(0, 0, 8192)]
     many_short = [Shard(d, 0, 64) for d in range(128)]  # same tokens, far fewer pairs
-    long_t = rank_step(
-        one_long,
-        recv_tokens=0,
-        tokens_per_rank=8192,
-        num_ranks=1,
-        comm_mode="full",
-        model=m,
-        kernel=k,
-        link=link,
-    ).attn_ms
-    short_t = rank_step(
-        many_short,
-        recv_tokens=0,
-        tokens_per_rank=8192,
-        num_ranks=1,
-        comm_mode="full",
-        model=m,
-        kernel=k,
-        link=link,
-    ).attn_ms
+
+    def attn_ms(shards):
+        return rank_step(
+            shards,
+            recv_tokens=0,
+            tokens_per_rank=8192,
+            num_ranks=1,
+            comm_mode="full",
+            model=m,
+            kernel=k,
+            link=link,
+        ).attn_ms
+
+    long_t, short_t = attn_ms(one_long), attn_ms(many_short)
     pairs_long = cost.doc_workload(8192)
     pairs_short = 128 * cost.doc_workload(64)
     assert short_t / pairs_short > 5 * long_t / pairs_long
