@@ -16,7 +16,7 @@ from planner_service.data import make_source, sample_batch
 from planner_service.fcp import ScheduleRequest, plan_global_batch, schedule
 from planner_service.fcp.compare import compare_with_baselines
 from planner_service.fcp.cost_model import PROFILES
-from planner_service.fcp.grouping import solve_micro_batch
+from planner_service.fcp.portfolio import solve_split
 from planner_service.fcp.schedule import sequence_stats, split_micro_batches
 
 PROFILE = PROFILES["h100-llama3-8b"]
@@ -145,7 +145,7 @@ def test_one_long_sequence_among_short_ones_beats_the_static_degree():
     rng = np.random.default_rng(0)
     seqs = [131072] + rng.integers(2048, 8193, size=255).tolist()
     cmp = compare_with_baselines(seqs, num_ranks=64, memory_tokens=32768)
-    assert cmp.speedup_vs_static > 1.5  # measured 2.33x (bench/results/fcp_bench.md)
+    assert cmp.speedup_vs_static > 1.5  # measured 2.24x (bench/results/fcp_bench.md)
 
 
 def _perturbed(rng: np.random.Generator, level: float):
@@ -156,29 +156,53 @@ def _perturbed(rng: np.random.Generator, level: float):
     )
 
 
-def test_degrees_survive_20_percent_coefficient_noise():
-    """The paper's profiler-noise test (its Tables 4-5: CP match 100% at 20%): every
-    coefficient scaled by an independent factor in [0.8, 1.2]; the CP degree of each
-    sequence of a sampled set of micro-batches is compared with the noiseless choice.
-    Measured on this sample: 93.6% for the paper's algorithm (search="paper"); the
-    bench (bench/results/fcp_bench.md, a larger sample) measures 97.3%."""
+def _noise_matches(search: str, level: float) -> list[bool]:
+    """Per sequence, whether its CP degree survives a perturbed profile: held splits of a
+    sampled set solved whole (portfolio.solve_split, as bench section 4 does) with the
+    true profile and with perturbed ones."""
     rng = np.random.default_rng(0)
     matches = []
     for dataset in ("wlbllm", "code", "family:pile"):
+        seqs = sample_batch(make_source(dataset), num_sequences=256, max_tokens=131072, seed=1)
+        stats = sequence_stats(seqs, (), PROFILE)
         for n in (16, 64):
-            seqs = sample_batch(make_source(dataset), num_sequences=256, max_tokens=131072, seed=1)
-            stats = sequence_stats(seqs, (), PROFILE)
             count = -(-int(stats.tokens.sum()) // (n * 32768)) + 1
-            for mb in split_micro_batches(stats, count, n * 32768, PROFILE):
-                base = solve_micro_batch(stats, mb, n, 32768, PROFILE, search="paper")
-                want = {i: d for g, d in zip(base.groups, base.degrees, strict=True) for i in g}
-                for _ in range(2):
-                    noisy = solve_micro_batch(stats, mb, n, 32768, _perturbed(rng, 0.2),
-                                              search="paper")
-                    got = {i: d for g, d in zip(noisy.groups, noisy.degrees, strict=True)
-                           for i in g}
-                    matches += [want[i] == got[i] for i in mb]
-    assert np.mean(matches) >= 0.9
+            split = split_micro_batches(stats, count, n * 32768, PROFILE)
+            want = _degrees(solve_split(stats, split, n, 32768, PROFILE, search=search))
+            # 16 draws per split: a split's sequences change degree together, so few draws
+            # swing the share (4 draws measured 89% for the portfolio, 16 and 32 draws 96%
+            # and 95%).
+            for _ in range(16):
+                got = _degrees(solve_split(stats, split, n, 32768, _perturbed(rng, level),
+                                           search=search))
+                matches += [want[i] == got[i] for i in want]
+    return matches
+
+
+def _degrees(groupings) -> dict[int, int]:
+    return {i: d for grouping in groupings
+            for g, d in zip(grouping.groups, grouping.degrees, strict=True) for i in g}
+
+
+@pytest.mark.parametrize("search", ["portfolio", "paper"])
+def test_degrees_survive_20_percent_coefficient_noise(search):
+    """The paper's profiler-noise test (its Tables 4-5: CP match 100% at 20%): every
+    coefficient scaled by an independent factor in [0.8, 1.2]; the CP degree of each
+    sequence of a sampled set is compared with the noiseless choice. Measured on this
+    sample: 96.0% for the default search and 94.9% for search="paper"; bench section 4
+    (bench/results/fcp_bench.md) measures a larger sample."""
+    assert np.mean(_noise_matches(search, 0.2)) >= 0.9
+
+
+def test_plan_global_batch_with_a_fixed_count_is_the_held_split_rule():
+    """What the noise bench measures (solve_split on a held split) is what users get."""
+    seqs = sample_batch(make_source("code"), num_sequences=128, max_tokens=131072, seed=5)
+    stats = sequence_stats(seqs, (), PROFILE)
+    count = -(-int(stats.tokens.sum()) // (16 * 32768)) + 1
+    split = split_micro_batches(stats, count, 16 * 32768, PROFILE)
+    found = plan_global_batch(seqs, num_ranks=16, memory_tokens=32768, micro_batches=count)
+    assert list(found.micro_batches) == [tuple(mb) for mb in split]
+    assert list(found.groupings) == solve_split(stats, split, 16, 32768, PROFILE)
 
 
 def test_registry_strategy_fcp_plans_one_packed_sequence():

@@ -77,12 +77,13 @@ def powers_of_two(num_ranks: int) -> list[int]:
 
 def static_groupings(
     stats: SeqStats, items: Sequence[int], num_ranks: int, memory_tokens: int,
-    profile: FcpProfile,
+    profile: FcpProfile, degrees: Sequence[int] | None = None,
 ) -> dict[int, tuple[list[list[int]], list[int]]]:
-    """For every power of two c <= N that holds the longest sequence: N // c cost-balanced
-    groups of ``items`` (LPT) within ``c * E`` tokens each, and the items left for a later
-    wave. (Pairing the groups of c into those of 2c would save passes but balances worse
-    than packing each degree directly: measured 1-4% slower static schedules.)
+    """For every power of two c <= N (or in ``degrees``) that holds the longest sequence:
+    N // c cost-balanced groups of ``items`` (LPT) within ``c * E`` tokens each, and the
+    items left for a later wave. (Pairing the groups of c into those of 2c would save
+    passes but balances worse than packing each degree directly: measured 1-4% slower
+    static schedules.)
     """
     if not items:
         return {}
@@ -92,7 +93,7 @@ def static_groupings(
     return {
         degree: balanced_pack(order, costs, stats.tokens, num_ranks // degree,
                               degree * memory_tokens)
-        for degree in powers_of_two(num_ranks)
+        for degree in (powers_of_two(num_ranks) if degrees is None else degrees)
         if degree * memory_tokens >= longest
     }
 
@@ -108,7 +109,8 @@ def static_schedule(
     waves = []
     left = list(items)
     while left:
-        members, left = static_groupings(stats, left, num_ranks, memory_tokens, profile)[degree]
+        members, left = static_groupings(stats, left, num_ranks, memory_tokens, profile,
+                                         (degree,))[degree]
         waves.append(_wave(stats, [(m, degree) for m in members], profile))
     return BaselineSchedule(f"static-{degree}", tuple(waves))
 

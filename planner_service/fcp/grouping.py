@@ -12,11 +12,12 @@ the long groups (headroom.py). A short sequence heavier than a fair share of the
 minimum degrees still exceed N, groups are merged (``merge_for_memory``): a plan exists
 whenever the tokens fit ``N * E``.
 
-``search="portfolio"`` (the default) also offers stage 2 the groupings a static
-power-of-two degree would use (and one group of all N ranks); stage 2 re-chooses their
-degrees too, so FCP is never worse than a static degree on a single-wave micro-batch.
-``search="paper"`` keeps only the BFD groupings. Every candidate is scored exactly by
-``threshold_degrees``; the winner's degrees come from the paper's DP (``method="dp"``).
+The candidates of ``search="portfolio"`` (the default) also include the groupings a
+static power-of-two degree would use (``static_family``, and one group of all N ranks;
+stage 2 re-chooses their degrees too); which candidate a micro-batch runs is decided for
+the whole split (portfolio.py). ``search="paper"`` keeps only the BFD groupings. Every
+candidate is scored exactly by ``threshold_degrees``; the winner's degrees come from the
+paper's DP (``method="dp"``).
 """
 
 from __future__ import annotations
@@ -151,6 +152,16 @@ def static_family(
     return out
 
 
+def static_degree(name: str, num_ranks: int) -> int | None:
+    """The CP degree c of a ``static_family`` candidate called ``name`` (``static-<c>``;
+    ``one-group``: N), or None for one of the paper's."""
+    if name == "one-group":
+        return num_ranks
+    if name.startswith("static-"):
+        return int(name.removeprefix("static-"))
+    return None
+
+
 class Scored(NamedTuple):
     """A candidate grouping with its exact stage-2 optimum."""
 
@@ -193,27 +204,6 @@ def check_options(search: str, method: str) -> None:
         raise ValueError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-
-
-def solve_micro_batch(
-    stats: SeqStats, items: Sequence[int], num_ranks: int, memory_tokens: int,
-    profile: FcpProfile, *, search: str = "portfolio", method: str = "dp",
-) -> Grouping:
-    """Stage 1 + stage 2 for the sequences ``items`` of one micro-batch.
-
-    Raises ValueError (naming what is missing) if their tokens exceed ``N * E``, and for
-    an unknown ``search`` or ``method``.
-    """
-    check_options(search, method)
-    total = int(stats.tokens[list(items)].sum())
-    if total > num_ranks * memory_tokens:
-        raise memory_error(total, num_ranks, memory_tokens,
-                           f"the micro-batch of {len(items)} sequences")
-    candidates = paper_groupings(stats, items, num_ranks, memory_tokens, profile)
-    if search == "portfolio":
-        candidates += static_family(stats, items, num_ranks, memory_tokens, profile)
-    return finish(best(score(stats, candidates, num_ranks, memory_tokens, profile)),
-                  num_ranks, method)
 
 
 def redo_with_dp(

@@ -72,7 +72,8 @@ class ScheduleRequest:
     full_attention: tuple[bool, ...] = ()
     """Per sequence, True for full (bidirectional) attention; empty means all causal."""
     search: str = "portfolio"
-    """Stage-1 candidates: ``portfolio`` (paper BFD + static groupings) or ``paper``."""
+    """``portfolio``: the paper's BFD groupings unless the batch would lose to the static
+    baseline, then static-degree groupings too (fcp/portfolio.py); ``paper``: BFD only."""
     method: str = "dp"
     """Stage-2 solver for the chosen grouping: ``dp`` (paper Algorithm 1) or ``threshold``."""
     micro_batches: int | None = None

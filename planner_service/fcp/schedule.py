@@ -6,12 +6,13 @@ tokens (the paper's micro-batch planner) and runs stage 1 + stage 2 on each;
 
 Splitting: cost-balanced packing (LPT, packing.balanced_pack) into micro-batches of
 ``N * E`` tokens, so long sequences spread over the micro-batches. The count is chosen
-among the least that holds the tokens and the next three (a micro-batch filled to the
-last token leaves stage 1 no slack, and one dominant sequence may want a micro-batch
-with fewer others), by total makespan. With ``search="portfolio"`` every count is first
-screened with the static-degree groupings and one group alone (an upper bound of FCP's
-answer, and the baselines' own candidates), and the paper's stage 1 runs on the best
-count only.
+among the least that holds the tokens and the next two (a micro-batch filled to the last
+token leaves stage 1 no slack, and one dominant sequence may want a micro-batch with
+fewer others). ``search="paper"``: every count is solved, the least total wins.
+``search="portfolio"``: every count is screened by the least estimates of its
+static-degree groupings and one group, only the best count is solved (latency;
+portfolio.choose_split), and the bound it keeps within is the static baseline's total on
+its own best count, as compare.py measures it.
 """
 
 from __future__ import annotations
@@ -31,13 +32,11 @@ from planner_service.fcp.grouping import (
     check_options,
     finish,
     memory_error,
-    paper_groupings,
     redo_with_dp,
-    score,
-    static_family,
 )
 from planner_service.fcp.layout import micro_batch_plan, place_groups
 from planner_service.fcp.packing import balanced_pack, descending
+from planner_service.fcp.portfolio import choose_split, score_static, static_total
 from planner_service.fcp.requests import (
     FcpResult,
     MicroBatchSchedule,
@@ -47,10 +46,7 @@ from planner_service.fcp.requests import (
 )
 
 MAX_EXTRA_MICRO_BATCHES = 2
-"""Micro-batch counts tried: the least that holds the tokens and the next three."""
-FINALISTS = 1
-
-"""Counts that get the paper's stage 1 after the static-grouping screen (portfolio)."""
+"""Micro-batch counts tried: the least that holds the tokens and the next two."""
 
 
 def sequence_stats(
@@ -157,31 +153,26 @@ def plan_checked(
         raise memory_error(total, num_ranks * micro_batches, memory_tokens,
                            f"the batch split into micro_batches={micro_batches}")
 
-    def solve(count: int) -> tuple[float, list[Grouping]]:
-        groupings = []
-        for k, mb in enumerate(splits[count]):
-            candidates = score(stats, paper_groupings(stats, mb, num_ranks, memory_tokens, prof),
-                               num_ranks, memory_tokens, prof)
-            if search == "portfolio":
-                candidates += static[count][k] if count in static else score(
-                    stats, static_family(stats, mb, num_ranks, memory_tokens, prof), num_ranks,
-                    memory_tokens, prof)
-            groupings.append(finish(best(candidates), num_ranks, "threshold"))
-        return sum(g.makespan_ms for g in groupings), groupings
+    def solve(count: int, static: Sequence[Sequence[Scored]] = (),
+              bound: float | None = None) -> list[Grouping]:
+        chosen = choose_split(stats, splits[count], num_ranks, memory_tokens, prof,
+                              search=search, static=static, bound=bound)
+        return [finish(c, num_ranks, "threshold") for c in chosen]
 
-    finalists = sorted(splits)
-    static: dict[int, list[list[Scored]]] = {}
-    if search == "portfolio" and len(finalists) > FINALISTS:
-        # Screen every count by the static-degree groupings and one group (their stage-2
-        # optimum bounds FCP's from above); the paper's stage 1 runs on the best count.
-        for count, split in splits.items():
-            static[count] = [score(stats, static_family(stats, mb, num_ranks, memory_tokens, prof),
-                                   num_ranks, memory_tokens, prof) for mb in split]
-        screen = {c: sum(best(s).found.makespan_ms for s in static[c]) for c in splits}
-        finalists = sorted(splits, key=lambda c: (screen[c], c))[:FINALISTS]
-    results = {count: solve(count) for count in sorted(finalists)}
-    chosen = min(results, key=lambda c: (results[c][0], c))
-    found = GlobalSchedule(tuple(tuple(mb) for mb in splits[chosen]), tuple(results[chosen][1]))
+    if search == "paper":
+        solved = {count: solve(count) for count in splits}
+    else:
+        static = {count: score_static(stats, split, num_ranks, memory_tokens, prof)
+                  for count, split in splits.items()}
+        screen = {count: sum(best(s).found.makespan_ms for s in static[count])
+                  for count in splits}
+        count = min(splits, key=lambda c: (screen[c], c))
+        # The static baseline picks its own best count (compare.py), so the bound does too.
+        bound = min(static_total(stats, splits[c], static[c], num_ranks, memory_tokens, prof)
+                    for c in splits)
+        solved = {count: solve(count, static=static[count], bound=bound)}
+    chosen = min(solved, key=lambda c: (sum(g.makespan_ms for g in solved[c]), c))
+    found = GlobalSchedule(tuple(tuple(mb) for mb in splits[chosen]), tuple(solved[chosen]))
     if method == "threshold":
         return found
     return found._replace(groupings=tuple(
