@@ -1,0 +1,273 @@
+"""Local search that refines a FlashCP layout after the balanced pass (``flashcp.py``).
+
+Both moves exchange positions between two ranks without changing any rank's token count,
+so the layout keeps its T tokens per rank; only workload and KV traffic change:
+
+- ``_exchange`` (balance): while the busiest rank exceeds the allowed workload, it gives
+  its highest positions of a doc for as many of the lowest positions of a doc on a light
+  rank (a later token carries more work: query i attends i + 1 keys);
+- ``_descend`` (comm): the rank receiving the most KV gives the top stretch of a doc it
+  shares with another rank for that rank's lowest positions of the doc, while both stay
+  within the allowed workload, so the critical-path receive shrinks.
+
+The layout under construction is ``flashcp._Ranks``; the heuristic that builds it (and
+decides when to run these moves) is in ``planner_service/solvers/flashcp.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from planner_service.core.plan import Shard
+
+if TYPE_CHECKING:
+    # Type only: flashcp imports this module at run time.
+    from planner_service.solvers.flashcp import _Ranks
+
+
+PARTNERS = 2
+"""Lightest ranks the busiest one may exchange positions with."""
+CROSS_DOCS = 6
+"""The busiest rank's docs (furthest-reaching first) tried against a partner's other docs."""
+SETTLE = 0.8
+"""The exchange brings the busiest rank to mean + SETTLE x (R x mean - mean): moving less
+than down to the mean moves fewer tokens, so less KV."""
+
+
+def _work(intervals: Sequence[tuple[int, int]]) -> int:
+    return sum((a + b + 1) * (b - a) // 2 for a, b in intervals)
+
+
+Intervals = list[tuple[int, int]]
+
+
+def _take(intervals: Intervals, count: int, top: bool) -> tuple[Intervals, Intervals]:
+    """Split sorted disjoint intervals into (kept, taken): the ``count`` highest (``top``)
+    or lowest positions are taken."""
+    kept: Intervals = list(intervals)
+    taken: Intervals = []
+    while count > 0:
+        a, b = kept.pop() if top else kept.pop(0)
+        size = min(count, b - a)
+        if top:
+            taken.insert(0, (b - size, b))
+            if b - size > a:
+                kept.append((a, b - size))
+        else:
+            taken.append((a, a + size))
+            if a + size < b:
+                kept.insert(0, (a + size, b))
+        count -= size
+    return kept, taken
+
+
+def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
+    """Rebalance without changing any rank's token count: the busiest rank gives its
+    highest positions of a doc and takes as many of the lowest positions of a doc on one
+    of the two lightest ranks (a later token carries more work: query i attends i + 1
+    keys). The same doc on both ranks is preferred, as both already need its prefix;
+    else the partner's longest doc (its lowest positions are its cheapest) against my doc
+    that ends earliest among those that can move enough (the partner will need its
+    prefix)."""
+    n = len(ranks.work)
+    mean = sum(ranks.work) / n
+    for _ in range(max_moves):
+        busy = max(range(n), key=lambda r: (ranks.work[r], -r))
+        if ranks.work[busy] <= allowed:
+            return
+        held = _intervals(ranks, busy)
+        partners = []
+        for other in sorted(range(n), key=lambda r: (ranks.work[r], r))[:PARTNERS]:
+            # Aim to bring the busiest rank to mean + SETTLE x slack; never push the partner
+            # above ``allowed`` or above the busiest rank's new load.
+            most = min(allowed - ranks.work[other], ranks.work[busy] - ranks.work[other])
+            goal = min(ranks.work[busy] - mean - SETTLE * (allowed - mean), most)
+            if other != busy and goal > 0:
+                partners.append((other, goal, most, _intervals(ranks, other)))
+        best = _best_move(held, partners, shared=True) or _best_move(held, partners, shared=False)
+        if best is None:
+            return
+        other, x, y, theirs, goal, limit = best
+        count = _count_for(held[x], theirs[y], goal, limit)
+        mine_kept, mine_given = _take(held[x], count, True)
+        their_kept, their_given = _take(theirs[y], count, False)
+        if x == y:
+            _replace(ranks, busy, x, mine_kept + their_given)
+            _replace(ranks, other, x, their_kept + mine_given)
+        else:
+            _replace(ranks, busy, x, mine_kept)
+            _replace(ranks, busy, y, held.get(y, []) + their_given)
+            _replace(ranks, other, y, their_kept)
+            _replace(ranks, other, x, theirs.get(x, []) + mine_given)
+
+
+def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *, shared: bool):
+    """The best exchange among the same docs (``shared``) or across docs; None if none
+    moves work. ``partners``: (rank, goal, most work it may take, its intervals).
+    Returns (partner, my doc, their doc, their intervals, goal, limit)."""
+    best = None
+    for other, goal, most, theirs in partners:
+        if shared:
+            pairs = [(d, d) for d in held.keys() & theirs.keys()]
+        else:
+            longest = sorted(theirs, key=lambda d: -sum(b - a for a, b in theirs[d]))[:2]
+            mine = sorted(held, key=lambda d: -held[d][-1][1])[:CROSS_DOCS]
+            pairs = [(x, y) for x in mine for y in longest if x != y]
+        for x, y in pairs:
+            mine_iv, their_iv = held[x], theirs[y]
+            # One position moves (my top + 1) - (their bottom + 1); it may already be more
+            # than the partner can take.
+            if mine_iv[-1][1] - 1 - their_iv[0][0] > most:
+                continue
+            limit = _crossing(mine_iv, their_iv)
+            potential = _edge_work(mine_iv, limit, True) - _edge_work(their_iv, limit, False)
+            if potential <= 0:
+                continue
+            key = (potential >= goal, 0 if shared else -mine_iv[-1][1], min(goal, potential))
+            if best is None or key > best[0]:
+                best = (key, (other, x, y, theirs, goal, limit))
+    return None if best is None else best[1]
+
+
+def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> None:
+    """Lower the critical-path KV within the balance limit: the rank receiving most gives
+    the top stretch of a doc it shares with another rank for as many of that rank's lowest
+    positions of the doc, so its need of the doc's prefix shrinks and the partner's grows;
+    taken when the larger of the two ranks' new receives is below the old maximum and both
+    workloads stay within ``allowed``."""
+    n = len(ranks.work)
+    held = [_intervals(ranks, r) for r in range(n)]
+    recv = [sum(iv[-1][1] - sum(b - a for a, b in iv) for iv in h.values()) for h in held]
+    for _ in range(max_steps):
+        top = max(range(n), key=lambda r: (recv[r], -r))
+        best = None
+        for other in range(n):
+            if other == top:
+                continue
+            for doc in held[top].keys() & held[other].keys():
+                mine, theirs = held[top][doc], held[other][doc]
+                limit = _crossing(mine, theirs)
+                for count in {min(limit, mine[-1][1] - mine[-1][0]), limit // 2, limit}:
+                    if count <= 0:
+                        continue
+                    moved = _edge_work(mine, count, True) - _edge_work(theirs, count, False)
+                    if ranks.work[other] + moved > allowed:
+                        continue
+                    mine_kept, mine_given = _take(mine, count, True)
+                    their_kept, their_given = _take(theirs, count, False)
+                    new_mine = sorted(mine_kept + their_given)
+                    new_theirs = sorted(their_kept + mine_given)
+                    old_mine = mine[-1][1] - sum(b - a for a, b in mine)
+                    old_theirs = theirs[-1][1] - sum(b - a for a, b in theirs)
+                    top_recv = recv[top] - old_mine + new_mine[-1][1] - sum(b - a for a, b in new_mine)
+                    other_recv = recv[other] - old_theirs + new_theirs[-1][1] - sum(
+                        b - a for a, b in new_theirs)
+                    worst = max(top_recv, other_recv)
+                    if worst < recv[top] and (best is None or worst < best[0]):
+                        best = (worst, other, doc, new_mine, new_theirs, top_recv, other_recv)
+        if best is None:
+            return
+        _, other, doc, new_mine, new_theirs, top_recv, other_recv = best
+        _replace(ranks, top, doc, new_mine)
+        _replace(ranks, other, doc, new_theirs)
+        held[top][doc], held[other][doc] = _merged(new_mine), _merged(new_theirs)
+        recv[top], recv[other] = top_recv, other_recv
+
+
+def _merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(intervals):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def _crossing(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]]) -> int:
+    """How many of my highest positions lie above as many of their lowest: exchanging
+    more would move work back, so the exchange moves most work there. One merge walk:
+    my positions downwards from the top, theirs upwards from the bottom."""
+    i, j = len(mine) - 1, 0
+    if i < 0 or not theirs:
+        return 0
+    top, bottom = mine[i][1], theirs[0][0]  # next: my top - 1, their bottom
+    count = 0
+    while True:
+        step = min(top - mine[i][0], theirs[j][1] - bottom)
+        # The t-th pair of this stretch is top - t > bottom + t - 1 while 2t <= top - bottom.
+        fits = (top - bottom) // 2
+        if fits < step:
+            return count + max(0, fits)
+        count += step
+        top -= step
+        bottom += step
+        if top == mine[i][0]:
+            i -= 1
+            if i < 0:
+                return count
+            top = mine[i][1]
+        if bottom == theirs[j][1]:
+            j += 1
+            if j == len(theirs):
+                return count
+            bottom = theirs[j][0]
+
+
+def _count_for(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]], goal: float,
+               limit: int) -> int:
+    """The largest count up to ``limit`` whose exchange moves at most ``goal`` work (the
+    work moved grows with the count up to ``limit``), and at least 1."""
+    if len(mine) == 1 and len(theirs) == 1:
+        # Single stretches: c positions move c (b - a) - c^2 work (b: my end, a: their
+        # start); take the smaller root of c^2 - c (b - a) + goal = 0, then settle exactly.
+        span = mine[0][1] - theirs[0][0]
+        disc = span * span - 4 * goal
+        c = limit if disc < 0 else min(limit, int((span - math.sqrt(disc)) / 2))
+        c = max(c, 1)
+        while c < limit and (c + 1) * span - (c + 1) ** 2 <= goal:
+            c += 1
+        while c > 1 and c * span - c * c > goal:
+            c -= 1
+        return c
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _edge_work(mine, mid, True) - _edge_work(theirs, mid, False) <= goal:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _edge_work(intervals: Sequence[tuple[int, int]], count: int, top: bool) -> int:
+    """Work of the ``count`` highest (``top``) or lowest positions of sorted intervals."""
+    total = 0
+    for a, b in reversed(intervals) if top else intervals:
+        if count <= 0:
+            break
+        size = min(count, b - a)
+        lo = b - size if top else a
+        total += (2 * lo + size + 1) * size // 2
+        count -= size
+    return total
+
+
+def _intervals(ranks: _Ranks, rank: int) -> dict[int, list[tuple[int, int]]]:
+    """The rank's shards as sorted position intervals per doc."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for s in ranks.shards[rank]:
+        out.setdefault(s.doc, []).append((s.start, s.end))
+    for intervals in out.values():
+        intervals.sort()
+    return out
+
+
+def _replace(ranks: _Ranks, rank: int, doc: int, intervals: Sequence[tuple[int, int]]) -> None:
+    """Set the rank's shards of one doc (token count unchanged), updating its workload."""
+    old = [s for s in ranks.shards[rank] if s.doc == doc]
+    ranks.shards[rank] = [s for s in ranks.shards[rank] if s.doc != doc]
+    ranks.work[rank] += _work(intervals) - _work([(s.start, s.end) for s in old])
+    ranks.shards[rank].extend(Shard(doc, a, b) for a, b in sorted(intervals) if b > a)
