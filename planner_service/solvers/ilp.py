@@ -29,7 +29,7 @@ saving could still rise), plus the block count and the limits used.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ortools.sat.python import cp_model
@@ -66,6 +66,16 @@ MAX_WORKERS = 16
 MAX_MODEL_BOOLS = 50_000
 """Blocks x ranks above this are refused (raise the granularity) rather than solved."""
 WALL_GUARD = 2.0
+BISECT_SHARE = 0.4
+"""Most of the time limit the comm objective spends on yes/no questions (``_bisect``)
+before one optimisation run with the rest."""
+ZERO_SHARE = 0.2
+"""Most of the time limit the question "can every doc stay whole?" may take."""
+PROBE_SHARE = 0.06
+"""Most of the time limit any other question may take."""
+MIN_FINAL_SHARE = 0.6
+MAX_UNDECIDED = 2
+"""The optimisation run gets at least this share of the limit."""
 # Full-problem subsolvers whose interleaved chunks overrun their deterministic budget
 # by seconds of wall time on this model (heavy LP); the rest plus LNS remain.
 _SLOW_SUBSOLVERS = ("max_lp", "reduced_costs", "pseudo_costs", "quick_restart", "default_lp")
@@ -197,10 +207,14 @@ class _Solve(NamedTuple):
     deterministic: bool
 
 
-def _run(bm: BlockModel, target: cp_model.IntVar, limit_s: float, workers: int) -> _Solve:
-    """Minimise ``target`` with the hint already set; the solution's rank per block."""
-    bm.model.Minimize(target)
-    solver = _solver(limit_s, workers)
+def _run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, workers: int) -> _Solve:
+    """Minimise ``target`` (None: find any solution) with the hint already set; the
+    solution's rank per block."""
+    if target is not None:
+        bm.model.Minimize(target)
+    # A yes/no question runs CP-SAT's default sequential search: its LP and probing refute
+    # a v fastest (and interleaving every subsolver with a hint trips a CP-SAT check).
+    solver = _solver(limit_s, workers if target is not None else 1)
     status = solver.StatusName(solver.Solve(bm.model))
     response = solver.ResponseProto()
     guard_hit = response.wall_time >= 0.999 * solver.parameters.max_time_in_seconds
@@ -210,10 +224,103 @@ def _run(bm: BlockModel, target: cp_model.IntVar, limit_s: float, workers: int) 
         bound = int(math.ceil(solver.BestObjectiveBound())) if status == "UNKNOWN" else 0
         return _Solve(status, None, 0, max(bound, 0), response.deterministic_time, deterministic)
     ranks = [next(r for r, v in enumerate(row) if solver.BooleanValue(v)) for row in bm.x]
+    if target is None:
+        return _Solve(status, ranks, 0, 0, response.deterministic_time, deterministic)
     value = int(round(solver.ObjectiveValue()))
     bound = int(math.ceil(solver.BestObjectiveBound() - 1e-6))
     return _Solve(status, ranks, value, min(bound, value), response.deterministic_time,
                   deterministic)
+
+
+class _Search(NamedTuple):
+    """Where the comm search stands: the incumbent and the proven bound."""
+
+    ranks: list[int]
+    """The best placement found."""
+    value: int
+    """Its critical-path KV."""
+    bound: int
+    """Proven: no placement has a critical-path KV below this."""
+    spent: float
+    """Deterministic seconds used so far."""
+    deterministic: bool
+    found: bool = False
+    """Whether CP-SAT has returned a placement (else the plan is the fallback)."""
+
+
+def _ask(state: _Search, v: int, build: Callable[[list[int]], BlockModel],
+         value_of: Callable[[list[int]], int], limit: float, workers: int) -> tuple[_Search, bool]:
+    """One yes/no question: is there a placement whose critical-path KV is at most v?
+    Returns the new state and whether the question was decided."""
+    bm = build(state.ranks)
+    bm.model.Add(bm.comm_max <= v)
+    run = _run(bm, None, limit, workers)
+    state = state._replace(spent=state.spent + run.dtime,
+                           deterministic=state.deterministic and run.deterministic)
+    if run.status == "INFEASIBLE":
+        return state._replace(bound=max(state.bound, v + 1)), True
+    if run.ranks is not None:
+        found = value_of(run.ranks)
+        if found < state.value:
+            state = state._replace(ranks=run.ranks, value=found)
+        return state._replace(found=True), True
+    return state, False
+
+
+def _bisect(state: _Search, build: Callable[[list[int]], BlockModel],
+            value_of: Callable[[list[int]], int], budget: float, limit: float,
+            workers: int) -> _Search:
+    """Narrow [bound, value) with yes/no questions at its midpoint until ``budget``
+    deterministic seconds are spent or ``MAX_UNDECIDED`` questions in a row stay open.
+
+    Why: CP-SAT's LP bound on a maximum of received KV is weak (the relaxation spreads
+    every block over all ranks and proves little above 0), but with ``comm_max <= v`` as
+    a hard constraint propagation is strong: a v well below the optimum is refuted in a
+    fraction of a second. YES moves the incumbent down, NO moves the bound up to v + 1,
+    and an undecided v is not asked again: the next question is the midpoint of the lower
+    half, which can still raise the bound.
+    """
+    high, undecided = state.value, 0  # questions ask about v < high
+    while state.bound < high and budget - state.spent > 1e-3 and undecided < MAX_UNDECIDED:
+        v = (state.bound + high - 1) // 2
+        state, decided = _ask(state, v, build, value_of,
+                              min(PROBE_SHARE * limit, budget - state.spent), workers)
+        high = min(high, state.value, v) if decided else v
+        undecided = 0 if decided else undecided + 1
+    return state
+
+
+def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
+                value_of: Callable[[list[int]], int], limit: float, workers: int) -> _Solve:
+    """Minimise the critical-path KV in three steps within ``limit`` deterministic seconds.
+
+    1. Ask whether every doc can stay whole (critical-path KV 0: a packing problem often
+       feasible for sequences of short docs, and then optimal), in ``ZERO_SHARE``.
+    2. Optimise from the best placement so far (CP-SAT's LNS finds good placements), with
+       ``comm_max >= bound``, leaving ``BISECT_SHARE`` of the limit.
+    3. Spend the rest on ``_bisect`` questions, which raise the bound where the
+       optimisation cannot.
+    """
+    state = _Search(hint, value_of(hint), 0, 0.0, True)
+    if state.value > 0:
+        state, _ = _ask(state, 0, build, value_of, ZERO_SHARE * limit, workers)
+    if state.bound < state.value and (1 - BISECT_SHARE) * limit > state.spent:
+        bm = build(state.ranks)
+        bm.model.Add(bm.comm_max >= state.bound)
+        run = _run(bm, bm.comm_max, (1 - BISECT_SHARE) * limit - state.spent, workers)
+        state = state._replace(spent=state.spent + run.dtime,
+                               deterministic=state.deterministic and run.deterministic)
+        if run.ranks is not None:
+            state = state._replace(found=True)
+            if value_of(run.ranks) < state.value:
+                state = state._replace(ranks=run.ranks, value=value_of(run.ranks))
+        state = state._replace(bound=max(state.bound, run.bound))
+        state = _bisect(state, build, value_of, limit, limit, workers)
+    bound = min(state.bound, state.value)
+    status = "OPTIMAL" if bound == state.value else "FEASIBLE"
+    if status == "FEASIBLE" and not state.found:
+        return _Solve("UNKNOWN", None, 0, bound, state.spent, state.deterministic)
+    return _Solve(status, state.ranks, state.value, bound, state.spent, state.deterministic)
 
 
 def solve_blocks(
@@ -241,9 +348,19 @@ def solve_blocks(
         return bm
 
     if options.objective == "comm":
-        bm = model()
-        add_hint(bm, blocks, hint, n)
-        run = _run(bm, bm.comm_max, options.time_limit_s, options.workers)
+        def hinted(ranks: list[int]) -> BlockModel:
+            bm = model()
+            add_hint(bm, blocks, ranks, n)
+            return bm
+
+        def comm_of(ranks: list[int]) -> int:
+            return max(placement_values(blocks, ranks, n)[2])
+
+        if hint_ok:
+            run = _solve_comm(hint, hinted, comm_of, options.time_limit_s, options.workers)
+        else:  # flashcp misses R: no incumbent to question from
+            bm = hinted(hint)
+            run = _run(bm, bm.comm_max, options.time_limit_s, options.workers)
         if run.status == "INFEASIBLE":
             raise ValueError(
                 f"imbalance_target {target} cannot be met with granularity {options.granularity}: "
