@@ -13,6 +13,12 @@ Objectives (option ``objective``):
 - ``balance``: minimise the largest workload, then, with that workload fixed, the
   critical-path KV (two solves, the time limit split between them).
 
+Search for ``comm`` (``_solve_comm``): CP-SAT's LP bound on a maximum of received KV is
+weak, so besides one optimisation run the solver asks yes/no questions "is there a
+placement whose critical-path KV is at most v?" (hard constraint, strong propagation):
+first v = 0 (can every doc stay whole? then the answer is optimal), last a bisection that
+raises the proven bound. Questions run CP-SAT's sequential search (its LP refutes fastest).
+
 Greedy first, exact second: the flashcp plan is the solution hint and the fallback when
 CP-SAT finds nothing in time. Deterministic: one worker searches sequentially; several
 workers use CP-SAT's interleaved search; either way the limit is CP-SAT's deterministic
