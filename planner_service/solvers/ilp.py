@@ -375,7 +375,7 @@ def solve_blocks(
             )
         hint_value = max(hint_recv)
         return _finish(blocks, n, run, hint, hint_value if hint_ok else None, hint_value,
-                       lambda ranks: max(placement_values(blocks, ranks, n)[2]), run.deterministic)
+                       comm_of, run.deterministic)
 
     # Balance: min max workload, then min comm at that workload.
     bm = model()
