@@ -14,10 +14,13 @@ Objectives (option ``objective``):
   critical-path KV (two solves, the time limit split between them).
 
 Search for ``comm`` (``_solve_comm``): CP-SAT's LP bound on a maximum of received KV is
-weak, so besides one optimisation run the solver asks yes/no questions "is there a
-placement whose critical-path KV is at most v?" (hard constraint, strong propagation):
-first v = 0 (can every doc stay whole? then the answer is optimal), last a bisection that
-raises the proven bound. Questions run CP-SAT's sequential search (its LP refutes fastest).
+near 0 (the LP spreads every block over all ranks), so the bound comes from smaller
+models: a relaxation (:mod:`.ilp_relax`: the docs that cannot stay whole as blocks, the
+rest as a fluid) solved to optimality, and the question "can every doc stay whole?"
+(``ilp_model.whole_doc_model``). Placements come from CP-SAT's LNS, first on the full
+model restricted to splitting only the relaxation's docs (a much smaller space), then on
+the full model; a last bisection of yes/no questions "is there a placement whose
+critical-path KV is at most v?" (hard constraint, strong propagation) raises the bound.
 
 Greedy first, exact second: the flashcp plan is the solution hint and the fallback when
 CP-SAT finds nothing in time. Deterministic: one worker searches sequentially; several
@@ -59,7 +62,9 @@ from planner_service.solvers.ilp_model import (
     build_model,
     canonical_ranks,
     placement_values,
+    whole_doc_model,
 )
+from planner_service.solvers.ilp_relax import must_split, relaxation, sub_blocks
 from planner_service.solvers.registry import Strategy, register
 
 DEFAULT_GRANULARITY = 2048
@@ -72,16 +77,18 @@ MAX_WORKERS = 16
 MAX_MODEL_BOOLS = 50_000
 """Blocks x ranks above this are refused (raise the granularity) rather than solved."""
 WALL_GUARD = 2.0
-BISECT_SHARE = 0.4
-"""Most of the time limit the comm objective spends on yes/no questions (``_bisect``)
-before one optimisation run with the rest."""
-ZERO_SHARE = 0.2
+RELAX_SHARE = 0.3
+"""Most of the time limit the comm objective spends on its relaxation's bound."""
+ZERO_SHARE = 0.15
 """Most of the time limit the question "can every doc stay whole?" may take."""
+RESTRICT_SHARE = 0.6
+"""The restricted search (fluid docs whole) runs until this share of the limit is spent."""
+BISECT_SHARE = 0.1
+"""The share of the limit left to ``_bisect`` questions after the full optimisation."""
 PROBE_SHARE = 0.06
-"""Most of the time limit any other question may take."""
-MIN_FINAL_SHARE = 0.6
+"""Most of the time limit any one yes/no question may take."""
 MAX_UNDECIDED = 2
-"""The optimisation run gets at least this share of the limit."""
+"""``_bisect`` stops after this many undecided questions in a row."""
 # Full-problem subsolvers whose interleaved chunks overrun their deterministic budget
 # by seconds of wall time on this model (heavy LP); the rest plus LNS remain.
 _SLOW_SUBSOLVERS = ("max_lp", "reduced_costs", "pseudo_costs", "quick_restart", "default_lp")
@@ -296,37 +303,134 @@ def _bisect(state: _Search, build: Callable[[list[int]], BlockModel],
     return state
 
 
-def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
-                value_of: Callable[[list[int]], int], limit: float, workers: int) -> _Solve:
-    """Minimise the critical-path KV in three steps within ``limit`` deterministic seconds.
+class _Subproblems(NamedTuple):
+    """The smaller models the comm search solves besides the full one (``_solve_comm``)."""
 
-    1. Ask whether every doc can stay whole (critical-path KV 0: a packing problem often
-       feasible for sequences of short docs, and then optimal), in ``ZERO_SHARE``.
-    2. Optimise from the best placement so far (CP-SAT's LNS finds good placements), with
-       ``comm_max >= bound``, leaving ``BISECT_SHARE`` of the limit.
-    3. Spend the rest on ``_bisect`` questions, which raise the bound where the
+    relaxation: Callable[[list[int] | None], BlockModel]
+    """The relaxation of :mod:`.ilp_relax`, hinted with a placement of its blocks if given."""
+    relaxed_value: Callable[[list[int]], int]
+    """The critical-path KV of a placement of the relaxation's blocks."""
+    fluid_whole: Callable[[BlockModel], None]
+    """Restricts a full model: every fluid doc whole on one rank."""
+    whole_docs: Callable[[float], _Solve]
+    """Asks, within the given deterministic seconds, whether every doc can stay whole
+    (``ilp_model.whole_doc_model``); a YES comes as a placement of the full model's blocks."""
+
+
+def _relaxed_bound(build: Callable[[list[int] | None], BlockModel],
+                   value_of: Callable[[list[int]], int], budget: float, limit: float,
+                   workers: int) -> tuple[int, float, bool]:
+    """A proven lower bound on the full model's critical-path KV from the relaxation of
+    :mod:`.ilp_relax`, within ``budget`` deterministic seconds: one optimisation run, then
+    the question "below its value?" (usually refuted at once, and then the relaxation is
+    solved), then ``_bisect``. Returns the bound, the time spent and whether it was
+    deterministic."""
+    bm = build(None)
+    run = _run(bm, bm.comm_max, budget / 2, workers)
+    if run.ranks is None:
+        return run.bound, run.dtime, run.deterministic
+    state = _Search(run.ranks, value_of(run.ranks), run.bound, run.dtime, run.deterministic)
+    if state.bound < state.value:
+        state, _ = _ask(state, state.value - 1, build, value_of,
+                        min(PROBE_SHARE * limit, budget - state.spent), workers)
+    state = _bisect(state, build, value_of, budget, limit, workers)
+    return min(state.bound, state.value), state.spent, state.deterministic
+
+
+def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
+                value_of: Callable[[list[int]], int], subs: _Subproblems, limit: float,
+                workers: int) -> _Solve:
+    """Minimise the critical-path KV in steps within ``limit`` deterministic seconds.
+
+    1. Bound: solve the relaxation of :mod:`.ilp_relax` (the docs that cannot stay whole
+       as blocks, the rest as fluid), in ``RELAX_SHARE``; its bound holds for the full
+       model, where CP-SAT's own LP bound is near 0. If it is 0, ask whether every doc
+       can stay whole (a packing model of its own, in ``ZERO_SHARE``): YES is optimal.
+    2. Restricted search: the full model with the fluid docs held whole
+       and ``comm_max >= bound``, until ``RESTRICT_SHARE``: a much smaller space, where
+       CP-SAT's LNS finds good placements in seconds.
+    3. Optimise the full model from the best placement with ``comm_max >= bound``, leaving
+       ``BISECT_SHARE`` of the limit.
+    4. Spend the rest on ``_bisect`` questions, which raise the bound where the
        optimisation cannot.
     """
     state = _Search(hint, value_of(hint), 0, 0.0, True)
-    if state.value > 0:
-        state, _ = _ask(state, 0, build, value_of, ZERO_SHARE * limit, workers)
-    if state.bound < state.value and (1 - BISECT_SHARE) * limit > state.spent:
-        bm = build(state.ranks)
-        bm.model.Add(bm.comm_max >= state.bound)
-        run = _run(bm, bm.comm_max, (1 - BISECT_SHARE) * limit - state.spent, workers)
+    bound, spent, deterministic = _relaxed_bound(subs.relaxation, subs.relaxed_value,
+                                                 RELAX_SHARE * limit, limit, workers)
+    state = state._replace(bound=bound, spent=spent, deterministic=deterministic)
+    if state.bound == 0 < state.value:
+        run = subs.whole_docs(ZERO_SHARE * limit)
         state = state._replace(spent=state.spent + run.dtime,
                                deterministic=state.deterministic and run.deterministic)
-        if run.ranks is not None:
-            state = state._replace(found=True)
-            if value_of(run.ranks) < state.value:
-                state = state._replace(ranks=run.ranks, value=value_of(run.ranks))
-        state = state._replace(bound=max(state.bound, run.bound))
-        state = _bisect(state, build, value_of, limit, limit, workers)
+        if run.status == "INFEASIBLE":
+            state = state._replace(bound=1)
+        elif run.ranks is not None:
+            state = state._replace(ranks=run.ranks, value=value_of(run.ranks), found=True)
+
+    def optimise(state: _Search, restrict: bool, until: float) -> _Search:
+        bm = build(state.ranks)
+        bm.model.Add(bm.comm_max >= state.bound)
+        if restrict:
+            subs.fluid_whole(bm)
+        run = _run(bm, bm.comm_max, until - state.spent, workers)
+        new = state._replace(spent=state.spent + run.dtime,
+                             deterministic=state.deterministic and run.deterministic)
+        if run.ranks is None:
+            return new
+        new = new._replace(found=True)
+        if value_of(run.ranks) < new.value:
+            new = new._replace(ranks=run.ranks, value=value_of(run.ranks))
+        # A bound of the restricted model is not one of the full model.
+        return new if restrict else new._replace(bound=max(new.bound, run.bound))
+
+    for restrict, share in ((True, RESTRICT_SHARE), (False, 1 - BISECT_SHARE)):
+        if state.bound < state.value and share * limit > state.spent + 1e-3:
+            state = optimise(state, restrict, share * limit)
+    state = _bisect(state, build, value_of, limit, limit, workers)
     bound = min(state.bound, state.value)
     status = "OPTIMAL" if bound == state.value else "FEASIBLE"
     if status == "FEASIBLE" and not state.found:
         return _Solve("UNKNOWN", None, 0, bound, state.spent, state.deterministic)
     return _Solve(status, state.ranks, state.value, bound, state.spent, state.deterministic)
+
+
+def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap: int, cap: int,
+                 workers: int) -> _Subproblems:
+    """The subproblems of this instance (see ``_solve_comm``)."""
+    kept = must_split(doc_lengths, tokens_cap, cap)
+    relax_blocks = sub_blocks(blocks, kept)
+    fluid = [length for d, length in enumerate(doc_lengths) if d not in set(kept)]
+    fluid_runs = [run for d, run in enumerate(blocks.doc_runs) if d not in set(kept) and len(run) > 1]
+
+    def relaxation_model(ranks: list[int] | None) -> BlockModel:
+        bm = relaxation(relax_blocks, fluid, n, token_cap=tokens_cap, work_cap=cap)
+        if ranks is not None:
+            add_hint(bm, relax_blocks, ranks, n)
+        return bm
+
+    def relaxed_value(ranks: list[int]) -> int:
+        return max(placement_values(relax_blocks, ranks, n)[2])
+
+    def fluid_whole(bm: BlockModel) -> None:
+        for run in fluid_runs:  # every block of the doc on the rank of its first block
+            for b in run[1:]:
+                for r in range(n):
+                    bm.model.Add(bm.x[b][r] == bm.x[run[0]][r])
+
+    def whole_docs(limit_s: float) -> _Solve:
+        model, y = whole_doc_model(doc_lengths, n, token_cap=tokens_cap, work_cap=cap)
+        solver = _solver(limit_s, workers)
+        status = solver.StatusName(solver.Solve(model))
+        response = solver.ResponseProto()
+        deterministic = status in ("OPTIMAL", "INFEASIBLE") or \
+            response.wall_time < 0.999 * solver.parameters.max_time_in_seconds
+        if status not in ("OPTIMAL", "FEASIBLE"):
+            return _Solve(status, None, 0, 0, response.deterministic_time, deterministic)
+        rank_of = [next(r for r, v in enumerate(row) if solver.BooleanValue(v)) for row in y]
+        ranks = canonical_ranks(blocks, [rank_of[block.doc] for block in blocks.blocks], n)
+        return _Solve(status, ranks, 0, 0, response.deterministic_time, deterministic)
+
+    return _Subproblems(relaxation_model, relaxed_value, fluid_whole, whole_docs)
 
 
 def solve_blocks(
@@ -363,7 +467,10 @@ def solve_blocks(
             return max(placement_values(blocks, ranks, n)[2])
 
         if hint_ok:
-            run = _solve_comm(hint, hinted, comm_of, options.time_limit_s, options.workers)
+            assert cap is not None
+            run = _solve_comm(hint, hinted, comm_of,
+                              _subproblems(blocks, doc_lengths, n, tokens_cap, cap, options.workers),
+                              options.time_limit_s, options.workers)
         else:  # flashcp misses R: no incumbent to question from
             bm = hinted(hint)
             run = _run(bm, bm.comm_max, options.time_limit_s, options.workers)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from ortools.sat.python import cp_model
 
-from planner_service.core.cost import shard_workload
+from planner_service.core.cost import doc_workload, shard_workload
 from planner_service.solvers.ilp_blocks import Blocks
 
 OBJECTIVES = ("comm", "balance")
@@ -89,8 +89,10 @@ def build_model(
     for b in range(num_blocks):
         model.AddExactlyOne(x[b])
     for r in range(n):
-        # Every rank holds at most T tokens; the rest of T is explicit padding.
-        model.Add(sum(size[b] * x[b][r] for b in range(num_blocks)) <= token_cap)
+        # Every rank holds at most T tokens; the rest of T is explicit padding. Redundant,
+        # for propagation: so it holds at least what the others cannot (S - (N - 1) T).
+        tokens = sum(size[b] * x[b][r] for b in range(num_blocks))
+        model.AddLinearConstraint(tokens, token_floor(total_tokens, n, token_cap), token_cap)
         # The rank's workload is the sum of its blocks' workloads, at most the cap.
         model.Add(load[r] == sum(work[b] * x[b][r] for b in range(num_blocks)))
         if work_cap is not None:
@@ -129,6 +131,39 @@ def build_model(
         for r in range(1, n):
             model.AddBoolOr([x[b][r].Not(), *(x[i][r - 1] for i in items[:k])])
     return BlockModel(model, x, need, recv, load, comm_max, work_max)
+
+
+def token_floor(total_tokens: int, num_ranks: int, token_cap: int) -> int:
+    """The fewest tokens a rank can hold when the others hold at most ``token_cap`` each."""
+    return max(0, total_tokens - (num_ranks - 1) * token_cap)
+
+
+def whole_doc_model(doc_lengths: Sequence[int], num_ranks: int, *, token_cap: int,
+                    work_cap: int) -> tuple[cp_model.CpModel, list[list[cp_model.IntVar]]]:
+    """The question "can every doc stay whole?" (critical-path KV 0: a split doc's tail
+    rank always receives its head) as a packing model of its own, a bool per doc and rank:
+    far smaller than the block model, and with the token bounds of every rank as a range
+    (usually T exactly) CP-SAT settles it in well under a second on 128K sequences."""
+    # --- Data -------------------------------------------------------------------------
+    n = num_ranks
+    docs = range(len(doc_lengths))
+    floor = token_floor(sum(doc_lengths), n, token_cap)
+    model = cp_model.CpModel()
+    # --- Variables: y[d][r] = 1 iff doc d is whole on rank r. ---------------------------
+    y = [[model.NewBoolVar(f"y_d{d}_r{r}") for r in range(n)] for d in docs]
+    # --- Constraints ------------------------------------------------------------------
+    for d in docs:
+        model.AddExactlyOne(y[d])  # every doc on one rank
+    for r in range(n):
+        # Tokens within [S - (N - 1) T, T] and workload within the cap.
+        model.AddLinearConstraint(sum(doc_lengths[d] * y[d][r] for d in docs), floor, token_cap)
+        model.Add(sum(doc_workload(doc_lengths[d]) * y[d][r] for d in docs) <= work_cap)
+    # Ranks are interchangeable: the k-th longest doc is on one of the first k + 1 ranks.
+    order = sorted(docs, key=lambda d: (-doc_lengths[d], d))
+    for k, d in enumerate(order[:n - 1]):
+        for r in range(k + 1, n):
+            model.Add(y[d][r] == 0)
+    return model, y
 
 
 def prefix_lack(start: int, size: int, work: int, token_cap: int, work_cap: int | None) -> int:
