@@ -311,7 +311,7 @@ class _Subproblems(NamedTuple):
     relaxed_value: Callable[[list[int]], int]
     """The critical-path KV of a placement of the relaxation's blocks."""
     fluid_whole: Callable[[BlockModel], None]
-    """Restricts a full model: every fluid doc whole on one rank."""
+    """Restricts a full model: every fluid doc the hint holds whole stays whole."""
     whole_docs: Callable[[float], _Solve]
     """Asks, within the given deterministic seconds, whether every doc can stay whole
     (``ilp_model.whole_doc_model``); a YES comes as a placement of the full model's blocks."""
@@ -330,7 +330,7 @@ def _relaxed_bound(build: Callable[[list[int] | None], BlockModel],
     if run.ranks is None:
         return run.bound, run.dtime, run.deterministic
     state = _Search(run.ranks, value_of(run.ranks), run.bound, run.dtime, run.deterministic)
-    if state.bound < state.value:
+    if state.bound < state.value and budget - state.spent > 1e-3:
         state, _ = _ask(state, state.value - 1, build, value_of,
                         min(PROBE_SHARE * limit, budget - state.spent), workers)
     state = _bisect(state, build, value_of, budget, limit, workers)
@@ -346,8 +346,8 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
        as blocks, the rest as fluid), in ``RELAX_SHARE``; its bound holds for the full
        model, where CP-SAT's own LP bound is near 0. If it is 0, ask whether every doc
        can stay whole (a packing model of its own, in ``ZERO_SHARE``): YES is optimal.
-    2. Restricted search: the full model with the fluid docs held whole
-       and ``comm_max >= bound``, until ``RESTRICT_SHARE``: a much smaller space, where
+    2. Restricted search: the full model with the fluid docs held whole (those the hint
+       holds whole) and ``comm_max >= bound``, until ``RESTRICT_SHARE``: a much smaller space, where
        CP-SAT's LNS finds good placements in seconds.
     3. Optimise the full model from the best placement with ``comm_max >= bound``, leaving
        ``BISECT_SHARE`` of the limit.
@@ -395,12 +395,16 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
 
 
 def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap: int, cap: int,
-                 workers: int) -> _Subproblems:
+                 hint: Sequence[int]) -> _Subproblems:
     """The subproblems of this instance (see ``_solve_comm``)."""
     kept = must_split(doc_lengths, tokens_cap, cap)
     relax_blocks = sub_blocks(blocks, kept)
     fluid = [length for d, length in enumerate(doc_lengths) if d not in set(kept)]
-    fluid_runs = [run for d, run in enumerate(blocks.doc_runs) if d not in set(kept) and len(run) > 1]
+    # The restriction holds whole the fluid docs the hint holds whole, so the hint stays a
+    # solution: CP-SAT 9.10 aborts the process (CHECK heuristics.fixed_search) when an
+    # interleaved multi-worker search is hinted on a model it then proves infeasible.
+    fluid_runs = [run for d, run in enumerate(blocks.doc_runs)
+                  if d not in set(kept) and len(run) > 1 and len({hint[b] for b in run}) == 1]
 
     def relaxation_model(ranks: list[int] | None) -> BlockModel:
         bm = relaxation(relax_blocks, fluid, n, token_cap=tokens_cap, work_cap=cap)
@@ -419,7 +423,7 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
 
     def whole_docs(limit_s: float) -> _Solve:
         model, y = whole_doc_model(doc_lengths, n, token_cap=tokens_cap, work_cap=cap)
-        solver = _solver(limit_s, workers)
+        solver = _solver(limit_s, 1)  # a yes/no question: sequential search (``_run``)
         status = solver.StatusName(solver.Solve(model))
         response = solver.ResponseProto()
         deterministic = status in ("OPTIMAL", "INFEASIBLE") or \
@@ -469,10 +473,12 @@ def solve_blocks(
         if hint_ok:
             assert cap is not None
             run = _solve_comm(hint, hinted, comm_of,
-                              _subproblems(blocks, doc_lengths, n, tokens_cap, cap, options.workers),
+                              _subproblems(blocks, doc_lengths, n, tokens_cap, cap, hint),
                               options.time_limit_s, options.workers)
-        else:  # flashcp misses R: no incumbent to question from
-            bm = hinted(hint)
+        else:  # flashcp misses R: no incumbent to question from, and no hint: a hint that
+            # breaks the model's caps, on a model CP-SAT proves infeasible, aborts CP-SAT
+            # 9.10's interleaved search (see ``_subproblems``).
+            bm = model()
             run = _run(bm, bm.comm_max, options.time_limit_s, options.workers)
         if run.status == "INFEASIBLE":
             raise ValueError(
