@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from planner_service.core.plan import Shard
 from planner_service.core.request import debug_request
 from planner_service.core.validate import validate_plan
+from planner_service.data import make_source, pack_sequences
 from planner_service.solvers import ilp
 from planner_service.solvers.ilp_blocks import cut_blocks, place_blocks
 from planner_service.solvers.registry import get_strategy, solve
@@ -67,7 +68,10 @@ def test_same_request_gives_the_same_plan_byte_for_byte(monkeypatch):
     # Several workers (interleaved search) stopped by the deterministic limit, not OPTIMAL;
     # a loose wall guard so a busy machine cannot cut the solve short.
     monkeypatch.setattr(ilp, "WALL_GUARD", 100.0)
-    request = debug_request(strategy="ilp", options={"time_limit_s": 0.3, "workers": 2})
+    # A packed code sequence (the debug fixture is now solved to optimality in 0.3 s).
+    docs = tuple(pack_sequences(make_source("code"), context_length=32768, num_sequences=1, seed=0)[0])
+    request = debug_request(strategy="ilp", doc_lengths=docs,
+                            options={"time_limit_s": 0.3, "workers": 2})
     first, second = solve(request), solve(request)
     assert first.info["status"] == "FEASIBLE" and first.info["deterministic"]
     assert first.to_json() == second.to_json()
