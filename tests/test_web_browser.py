@@ -18,6 +18,7 @@ from planner_service.solvers.registry import solve, strategy_names
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed "
                                 "(pip install -e '.[dev]')")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -55,12 +56,18 @@ def browser():
 
 
 def plan_id_shown(driver) -> str | None:
+    """The drawn plan's id; None while none is drawn or the drawing is being replaced (the
+    page swaps the svg between the lookup and the read: a stale element)."""
     svgs = driver.find_elements(By.CSS_SELECTOR, "#plan-view svg.plan-svg")
-    return svgs[0].get_attribute("data-plan-id") if svgs else None
+    try:
+        return svgs[0].get_attribute("data-plan-id") if svgs else None
+    except StaleElementReferenceException:
+        return None
 
 
 def test_page_draws_sample_replans_new_input_and_compares(server, browser):
-    wait = WebDriverWait(browser, 30)
+    # A lookup may race the page replacing a drawing: retry rather than fail.
+    wait = WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,))
     browser.get(server.http_url + "/")
     sample = solve(debug_request(context_length=None))
     wait.until(lambda d: plan_id_shown(d) == sample.plan_id)
