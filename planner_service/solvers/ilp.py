@@ -227,22 +227,30 @@ def _run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, workers
         bm.model.Minimize(target)
     # A yes/no question runs CP-SAT's default sequential search: its LP and probing refute
     # a v fastest (and interleaving every subsolver with a hint trips a CP-SAT check).
-    solver = _solver(limit_s, workers if target is not None else 1)
-    status = solver.StatusName(solver.Solve(bm.model))
+    solver, status, dtime, deterministic = _solve_model(bm.model, limit_s,
+                                                        workers if target is not None else 1)
+    if status not in ("OPTIMAL", "FEASIBLE"):
+        bound = int(math.ceil(solver.BestObjectiveBound())) if status == "UNKNOWN" else 0
+        return _Solve(status, None, 0, max(bound, 0), dtime, deterministic)
+    ranks = [next(r for r, v in enumerate(row) if solver.BooleanValue(v)) for row in bm.x]
+    if target is None:
+        return _Solve(status, ranks, 0, 0, dtime, deterministic)
+    value = int(round(solver.ObjectiveValue()))
+    bound = int(math.ceil(solver.BestObjectiveBound() - 1e-6))
+    return _Solve(status, ranks, value, min(bound, value), dtime, deterministic)
+
+
+def _solve_model(model: cp_model.CpModel, limit_s: float,
+                 workers: int) -> tuple[cp_model.CpSolver, str, float, bool]:
+    """Solve with the deterministic configuration: the solver, CP-SAT's status name, the
+    deterministic time spent and whether the limit (not the wall-clock guard) ended it."""
+    solver = _solver(limit_s, workers)
+    status = solver.StatusName(solver.Solve(model))
+    assert status != "MODEL_INVALID", solver.SolutionInfo()
     response = solver.ResponseProto()
     guard_hit = response.wall_time >= 0.999 * solver.parameters.max_time_in_seconds
     deterministic = status in ("OPTIMAL", "INFEASIBLE") or not guard_hit
-    if status not in ("OPTIMAL", "FEASIBLE"):
-        assert status != "MODEL_INVALID", solver.SolutionInfo()
-        bound = int(math.ceil(solver.BestObjectiveBound())) if status == "UNKNOWN" else 0
-        return _Solve(status, None, 0, max(bound, 0), response.deterministic_time, deterministic)
-    ranks = [next(r for r, v in enumerate(row) if solver.BooleanValue(v)) for row in bm.x]
-    if target is None:
-        return _Solve(status, ranks, 0, 0, response.deterministic_time, deterministic)
-    value = int(round(solver.ObjectiveValue()))
-    bound = int(math.ceil(solver.BestObjectiveBound() - 1e-6))
-    return _Solve(status, ranks, value, min(bound, value), response.deterministic_time,
-                  deterministic)
+    return solver, status, response.deterministic_time, deterministic
 
 
 class _Search(NamedTuple):
@@ -398,13 +406,14 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
                  hint: Sequence[int]) -> _Subproblems:
     """The subproblems of this instance (see ``_solve_comm``)."""
     kept = must_split(doc_lengths, tokens_cap, cap)
+    keep = set(kept)
     relax_blocks = sub_blocks(blocks, kept)
-    fluid = [length for d, length in enumerate(doc_lengths) if d not in set(kept)]
+    fluid = [length for d, length in enumerate(doc_lengths) if d not in keep]
     # The restriction holds whole the fluid docs the hint holds whole, so the hint stays a
     # solution: CP-SAT 9.10 aborts the process (CHECK heuristics.fixed_search) when an
     # interleaved multi-worker search is hinted on a model it then proves infeasible.
     fluid_runs = [run for d, run in enumerate(blocks.doc_runs)
-                  if d not in set(kept) and len(run) > 1 and len({hint[b] for b in run}) == 1]
+                  if d not in keep and len(run) > 1 and len({hint[b] for b in run}) == 1]
 
     def relaxation_model(ranks: list[int] | None) -> BlockModel:
         bm = relaxation(relax_blocks, fluid, n, token_cap=tokens_cap, work_cap=cap)
@@ -423,16 +432,13 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
 
     def whole_docs(limit_s: float) -> _Solve:
         model, y = whole_doc_model(doc_lengths, n, token_cap=tokens_cap, work_cap=cap)
-        solver = _solver(limit_s, 1)  # a yes/no question: sequential search (``_run``)
-        status = solver.StatusName(solver.Solve(model))
-        response = solver.ResponseProto()
-        deterministic = status in ("OPTIMAL", "INFEASIBLE") or \
-            response.wall_time < 0.999 * solver.parameters.max_time_in_seconds
+        # A yes/no question: sequential search, as in ``_run``.
+        solver, status, dtime, deterministic = _solve_model(model, limit_s, 1)
         if status not in ("OPTIMAL", "FEASIBLE"):
-            return _Solve(status, None, 0, 0, response.deterministic_time, deterministic)
+            return _Solve(status, None, 0, 0, dtime, deterministic)
         rank_of = [next(r for r, v in enumerate(row) if solver.BooleanValue(v)) for row in y]
         ranks = canonical_ranks(blocks, [rank_of[block.doc] for block in blocks.blocks], n)
-        return _Solve(status, ranks, 0, 0, response.deterministic_time, deterministic)
+        return _Solve(status, ranks, 0, 0, dtime, deterministic)
 
     return _Subproblems(relaxation_model, relaxed_value, fluid_whole, whole_docs)
 
