@@ -1,6 +1,8 @@
 """Cost formulas against hand-computed cases (DESIGN.md section 3)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner_service.core import cost
 from planner_service.core.model import ModelSpec
@@ -60,6 +62,40 @@ def test_comm_volumes_zigzag_two_shards_on_one_rank():
     v = cost.comm_volumes([[Shard(0, 0, 2), Shard(0, 6, 8)], [Shard(0, 2, 6)]])
     assert v.alltoallv_recv == (4, 2)  # rank 0 lacks [2,6); rank 1 lacks [0,2)
     assert v.allgather_send == (2, 4)  # rank 0: [0,2) needed by rank 1 (up to 6); rank 1: [2,6)
+
+
+@st.composite
+def random_layouts(draw):
+    """Docs of 1-12 tokens cut at random points, pieces dealt to 1-5 ranks at random."""
+    n = draw(st.integers(1, 5))
+    ranks: list[list[Shard]] = [[] for _ in range(n)]
+    for doc, length in enumerate(draw(st.lists(st.integers(1, 12), min_size=1, max_size=5))):
+        cuts = sorted(draw(st.sets(st.integers(1, length - 1), max_size=length - 1)) if length > 1 else set())
+        bounds = [0, *cuts, length]
+        for a, b in zip(bounds, bounds[1:]):
+            ranks[draw(st.integers(0, n - 1))].append(Shard(doc, a, b))
+    return ranks
+
+
+def token_level_volumes(ranks):
+    """The definitions token by token: a rank needs every key position below the end of
+    its last shard of a doc; it receives the ones it does not hold; it sends a held
+    position if some other rank needs it."""
+    held = [{(s.doc, i) for s in rank for i in range(s.start, s.end)} for rank in ranks]
+    need = [{(s.doc, i) for s in rank for i in range(s.end)} for rank in ranks]
+    recv = tuple(len(need[r] - held[r]) for r in range(len(ranks)))
+    send = tuple(
+        sum(1 for t in held[r] if any(t in need[o] for o in range(len(ranks)) if o != r))
+        for r in range(len(ranks))
+    )
+    return recv, send
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_layouts())
+def test_comm_volumes_equal_the_token_level_definition(ranks):
+    v = cost.comm_volumes(ranks)
+    assert (v.alltoallv_recv, v.allgather_send) == token_level_volumes(ranks)
 
 
 def test_kv_bytes_per_token_and_linear_flops():

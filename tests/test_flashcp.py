@@ -73,8 +73,12 @@ def test_exchange_moves_work_without_moving_tokens():
     assert tokens(ranks.shards) == [20, 20]
     assert ranks.work == rank_workloads(ranks.shards)
     assert max(ranks.work) <= allowed
-    # Doc 0's last token went to rank 1, doc 2's first token to rank 0.
-    assert sorted((s.doc, s.start, s.end) for s in ranks.shards[1]) == [(0, 15, 16), (2, 1, 10), (3, 0, 10)]
+    # Moving doc 0's last token [15, 16) for doc 2's first would balance too, but rank 1
+    # would then need doc 0's prefix up to 15: 16 KV tokens in all. The fold gives it a
+    # middle stretch [5, 8) of doc 0 for doc 2's first three tokens instead: it needs
+    # [0, 5) of doc 0 and [0, 3) of doc 2, and rank 0 needs [5, 8) back.
+    assert sorted((s.doc, s.start, s.end) for s in ranks.shards[1]) == [(0, 5, 8), (2, 3, 10), (3, 0, 10)]
+    assert comm_volumes(ranks.shards).alltoallv_recv == (3, 8)
 
 
 def position(intervals, k, top):
@@ -99,6 +103,60 @@ def test_crossing_equals_the_slow_reference(a, b):
             break
         expected = k
     assert flashcp._crossing(mine, theirs) == expected
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.data())
+def test_fold_keeps_positions_and_lowers_the_receive_comm_volumes_reports(data):
+    """Two ranks and three docs of up to 60 tokens: doc x (ends on rank 0's top stretch),
+    doc y (its lowest positions on rank 1) and doc z (cut between them). Whatever ``_fold``
+    returns must move the same positions as the top move it replaces, move work within
+    [wanted, most], and give a larger receive below the top move's, both as comm_volumes
+    computes them on the whole layout (the reference)."""
+    from planner_service.core.cost import shard_workload
+    from planner_service.solvers import flashcp_refine as refine
+
+    lengths = [data.draw(st.integers(2, 60)) for _ in range(3)]
+    x, y, z = 0, 1, 2
+    cut = {d: sorted(data.draw(st.sets(st.integers(1, lengths[d] - 1), max_size=3))) for d in (x, y, z)}
+    pieces = {d: list(zip([0, *cut[d]], [*cut[d], lengths[d]])) for d in (x, y, z)}
+    # Rank 0 holds x's last piece; rank 1 holds y's first piece; the rest are dealt.
+    owner = {(d, i): data.draw(st.integers(0, 1)) for d in (x, y, z) for i in range(len(pieces[d]))}
+    owner[x, len(pieces[x]) - 1], owner[y, 0] = 0, 1
+    held = [{}, {}]
+    for (d, i), r in owner.items():
+        held[r].setdefault(d, []).append(pieces[d][i])
+    held = [{d: refine._merged(iv) for d, iv in h.items()} for h in held]
+    if x not in held[0] or y not in held[1]:
+        return
+    count = data.draw(st.integers(1, min(held[0][x][-1][1] - held[0][x][-1][0],
+                                          sum(b - a for a, b in held[1][y]))))
+    goal = data.draw(st.integers(1, 4000))
+    most = data.draw(st.integers(goal, 8000))
+
+    def layout(mine_x, given_x, their_y, given_y):
+        ranks = [dict(held[0]), dict(held[1])]
+        ranks[0][x], ranks[1][y] = mine_x, their_y
+        ranks[1][x] = refine._merged(held[1].get(x, []) + given_x)
+        ranks[0][y] = refine._merged(held[0].get(y, []) + given_y)
+        return [[flashcp.Shard(d, a, b) for d, iv in r.items() for a, b in iv] for r in ranks]
+
+    mine_kept, mine_given = refine._take(held[0][x], count, True)
+    their_kept, their_given = refine._take(held[1][y], count, False)
+    top = layout(mine_kept, mine_given, their_kept, their_given)
+    fold = refine._fold(held[0], held[1], x, y, goal, most, count)
+    if fold is None:
+        return
+    folded = layout(*fold)
+    for a, b in zip(top, folded):  # same tokens per rank, same positions overall
+        assert sum(s.end - s.start for s in a) == sum(s.end - s.start for s in b)
+    assert sorted((d, p) for r in top for d, a, b in r for p in range(a, b)) == sorted(
+        (d, p) for r in folded for d, a, b in r for p in range(a, b))
+    work = lambda shards: sum(shard_workload(s.start, s.end - s.start) for s in shards)  # noqa: E731
+    moved = work(folded[1]) - sum(work([flashcp.Shard(d, a, b) for a, b in iv]) for d, iv in held[1].items())
+    top_moved = work(top[1]) - sum(work([flashcp.Shard(d, a, b) for a, b in iv]) for d, iv in held[1].items())
+    assert min(goal, top_moved) <= moved <= most
+    assert max(comm_volumes(folded).alltoallv_recv) < max(comm_volumes(top).alltoallv_recv)
 
 
 def test_zigzag_gives_each_rank_two_chunks_of_equal_size():

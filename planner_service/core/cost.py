@@ -36,7 +36,8 @@ def doc_workload(length: int) -> int:
 
 
 def rank_workloads(shards_per_rank: Sequence[Sequence[Shard]]) -> list[int]:
-    return [sum(shard_workload(s.start, s.end - s.start) for s in rank) for rank in shards_per_rank]
+    # shard_workload inlined: (2p + s + 1) s / 2 = (p + e + 1)(e - p) / 2.
+    return [sum((a + b + 1) * (b - a) // 2 for _, a, b in rank) for rank in shards_per_rank]
 
 
 def imbalance(workloads: Sequence[int]) -> float:
@@ -69,30 +70,43 @@ class CommVolumes(NamedTuple):
 
 def comm_volumes(shards_per_rank: Sequence[Sequence[Shard]]) -> CommVolumes:
     """Per-rank all-to-all-v receive and compact all-gather send volumes."""
-    # need_end[(doc, rank)]: end of the rank's last shard of doc = the KV prefix it needs.
-    need_end: dict[tuple[int, int], int] = {}
-    held: dict[tuple[int, int], int] = {}
+    # ends[rank][doc]: end of the rank's last shard of doc = the KV prefix it needs. What
+    # it receives is that prefix minus what it holds, summed over its docs: sum of the
+    # ends minus its own tokens.
+    ends: list[dict[int, int]] = []
+    recv = []
+    for shards in shards_per_rank:
+        end: dict[int, int] = {}
+        held = 0
+        for doc, start, stop in shards:
+            held += stop - start
+            if stop > end.get(doc, 0):
+                end[doc] = stop
+        ends.append(end)
+        recv.append(sum(end.values()) - held)
+    # The furthest end among a doc's holders (with its rank) and the runner-up: the
+    # furthest end any *other* rank needs is the runner-up for the furthest holder itself.
+    first: dict[int, tuple[int, int]] = {}
+    second: dict[int, int] = {}
+    for rank, end in enumerate(ends):
+        for doc, stop in end.items():
+            best = first.get(doc)
+            if best is None:
+                first[doc] = (stop, rank)
+            elif stop > best[0]:
+                second[doc] = best[0]
+                first[doc] = (stop, rank)
+            elif stop > second.get(doc, 0):
+                second[doc] = stop
+    send = []
     for rank, shards in enumerate(shards_per_rank):
-        for s in shards:
-            key = (s.doc, rank)
-            need_end[key] = max(need_end.get(key, 0), s.end)
-            held[key] = held.get(key, 0) + (s.end - s.start)
-    recv = [0] * len(shards_per_rank)
-    # top2[doc] = the two largest (need_end, rank) among holders, to find "max over others".
-    top2: dict[int, list[tuple[int, int]]] = {}
-    for (doc, rank), end in need_end.items():
-        recv[rank] += end - held[(doc, rank)]
-        best = top2.setdefault(doc, [])
-        best.append((end, rank))
-        if len(best) > 2:
-            best.sort(reverse=True)
-            best.pop()
-    send = [0] * len(shards_per_rank)
-    for rank, shards in enumerate(shards_per_rank):
-        for s in shards:
-            others = [end for end, r in top2[s.doc] if r != rank]
-            furthest_other = max(others, default=0)
-            send[rank] += max(0, min(s.end, furthest_other) - s.start)
+        total = 0
+        for doc, start, stop in shards:
+            furthest, holder = first[doc]
+            other = second.get(doc, 0) if holder == rank else furthest
+            if other > start:
+                total += min(stop, other) - start
+        send.append(total)
     return CommVolumes(alltoallv_recv=tuple(recv), allgather_send=tuple(send))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -60,7 +60,7 @@ class ModelSpec:
         return 6 * (attn_params + mlp_params)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # scalars: no deep copy
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:

@@ -125,7 +125,8 @@ class Group:
         return {
             "ranks": list(self.ranks),
             "docs": list(self.docs),
-            "shards": [[s.to_dict() for s in rank] for rank in self.shards],
+            # Shard.to_dict inlined (one dict per shard: the bulk of a plan's JSON).
+            "shards": [[{"doc": d, "start": a, "end": b} for d, a, b in rank] for rank in self.shards],
             "padding": list(self.padding),
             "metrics": self.metrics.to_dict(),
             "rank_stats": self.rank_stats.to_dict(),

@@ -1,14 +1,13 @@
-"""FlashCP heuristic sharding (FlashCP, arXiv:2606.08476, Algorithm 1), with a comm-aware
-first pass and a token-neutral rebalancing step that bring it within 4-9% of the exact
-ILP's comm saving at 128K, N = 4, and 11-13% at 32K (bench/results/ilp_compare.md). This
-module builds the layout and
-is the strategy's entry point (``flashcp_shards``, ``flashcp_layout``); the token-neutral
-moves that refine it (``_exchange``, ``_descend``) are in ``flashcp_refine.py``.
+"""FlashCP heuristic sharding (FlashCP, arXiv:2606.08476, Algorithm 1), with comm-aware
+balanced passes and token-neutral refinement that bring it close to the exact ILP's comm
+saving (bench/results/ilp_compare.md). This module builds the layout and is the
+strategy's entry point (``flashcp_shards``, ``flashcp_layout``); the token-neutral moves
+that refine it (``_exchange``, ``_descend``) are in ``flashcp_refine.py``.
 
 Every rank ends with at most T = ceil(S / N) tokens (exactly T but for the last ranks'
 shortfall, which is explicit padding) and workload at most R x mean where it can.
 
-1. A balanced pass (``_balanced_pass``), docs longest (densest) first:
+1. Balanced passes (``_place`` then ``_finish``), each placing the docs in a given order:
 
    - a doc goes whole to the rank that lags most behind its share of the work, counting
      that every rank will still be filled to T tokens (lag = mean - load - room x the
@@ -18,21 +17,22 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
      fewest lagging ranks, not all N: equal shares, and each rank needs only the prefix
      up to its later chunk, so fewer ranks means less KV to move;
    - docs that are light enough but fit no rank's room are split over the free room at
-     the end (the fewest, roomiest ranks);
+     the end (the fewest, roomiest ranks), pieces ordered for balance or for less KV;
    - if the result misses R, ``_exchange`` rebalances without changing any token count:
      the busiest rank swaps its highest positions of a doc for as many of the lowest
      positions of a doc on a light rank (the same doc preferred: both already need its
-     prefix), a few times.
+     prefix), a few times; across docs it gives a middle stretch instead of the top one
+     where that needs less KV (a fold: the light rank then needs only the prefix below
+     the stretch);
 
-   Variants (``VARIANTS``: zigzag width by workload alone or counting the later fill;
-   spill pieces ordered for less KV or for balance) are tried in order; small requests
-   try several and keep the least KV on the critical path, large ones stop after the
-   first (``VARIANT_BUDGET``), so a 128K batch plans in well under a millisecond.
+   The passes (``_passes``): docs longest first, finished with the spill for balance and,
+   on small requests, also with the spill for less KV; and, when some docs must be split
+   and others are heavy but fit whole, the heavy docs first, so the must-split docs are
+   cut into the room left rather than splitting a heavy doc too. ``_descend`` then trades
+   positions of shared docs to lower the most KV any rank receives, within R, and the
+   layout with the least KV on the critical path wins.
 
-   A small request's chosen layout then goes through ``_descend``, which trades positions
-   of shared docs to lower the most KV any rank receives, within R (``DESCENT_BUDGET``).
-
-2. If no variant meets R, Algorithm 1 as published (lines 4-24): try k = 0, 1, 2, ... of
+2. If no pass meets R, Algorithm 1 as published (lines 4-24): try k = 0, 1, 2, ... of
    the longest docs under Per-Doc sharding over all N ranks, place the rest by Whole-Doc
    sharding, stop at the first k whose imbalance is at most R:
 
@@ -54,7 +54,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner_service.core.build import GroupLayout, Layout
-from planner_service.core.cost import comm_volumes, doc_workload, imbalance
+from planner_service.core.cost import doc_workload, imbalance
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.common import zigzag_doc_shards
@@ -174,37 +174,80 @@ def _zigzag(ranks: _Ranks, chosen: Sequence[int], doc: int, length: int) -> None
                 ranks.add(rank, doc, starts[chunk], starts[chunk + 1])
 
 
-class _Variant(NamedTuple):
-    """One configuration of the balanced pass."""
+class _Pass(NamedTuple):
+    """One run of the balanced pass's placement loop and the layouts finished from it."""
 
+    order: list[int]
+    """Docs in the order they are placed."""
     fill_aware: bool
     """Zigzag width counts the ranks' later fill (wider, more balanced)."""
-    tail_largest: bool
-    """Spill splits put the largest piece last (less KV) rather than balance workload."""
+    spills: tuple[bool, ...]
+    """One finished layout per entry: spill splits put the largest piece last (True: less
+    KV) or balance workload (False)."""
+    descend: bool = True
+    """Run ``_descend`` on the finished layouts (else only measure their receive)."""
 
 
-VARIANTS = (_Variant(False, False), _Variant(True, False), _Variant(True, True), _Variant(False, True))
-"""Tried in this order; small requests try them all and keep the least KV, large ones stop
-after the first (``VARIANT_BUDGET``)."""
-VARIANT_BUDGET = 128
-"""Docs x ranks a request may spend on variants after the first (keeps 128K batches well
-under a millisecond)."""
 DESCENT_STEPS = 8
-DESCENT_BUDGET = 1000
-"""``_descend`` (its cost grows with docs x ranks) runs while docs x ranks x DESCENT_STEPS
-stays within this: small requests, where it gains most."""
+"""``_descend`` moves per candidate layout (more gained nothing on the benchmark sets)."""
+DESCENT_BUDGET = 256
+"""Docs x ranks up to which ``_descend`` runs (its cost grows with both; larger requests,
+with many short docs, gain least from it)."""
+SPILL_BUDGET = 128
+"""Docs x ranks up to which the longest-first layout is also finished with the spill for
+less KV (keeps large batches well under a millisecond)."""
+HEAVY = 0.25
+"""A doc that fits a rank whole and weighs more than HEAVY x the allowed max workload is
+placed before the docs that must be split in the heavy-first order."""
 
 
-def _balanced_pass(
-    doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, variant: _Variant
-) -> _Ranks:
-    """Step 1 of the module docstring."""
+def _passes(
+    doc_lengths: Sequence[int], order: list[int], n: int, allowed: float
+) -> tuple[list[_Pass], list[_Pass]]:
+    """(the balanced passes always run, those run only if no layout of the first meets R).
+
+    The longest-first order's layout is finished both ways (spill for balance, spill for
+    less KV) on small requests (docs x ranks within ``SPILL_BUDGET``), where the second
+    gains most; large ones finish it for balance only.
+
+    The heavy-first order places the heavy docs that fit a rank whole before the docs no
+    rank can hold (longer than the rank's T tokens or heavier than ``allowed``), so those
+    are cut into the room the heavy docs leave instead of taking the room a heavy doc needs
+    whole (which would then be split too). It exists only when both kinds of doc do. Both
+    kinds are runs of the longest-first ``order`` (the must-split docs first, then the
+    heavy ones), so the heavy-first order swaps the two runs.
+    """
     cap = -(-sum(doc_lengths) // n)
-    ranks = _Ranks(n, cap)
-    tokens, work = ranks.tokens, ranks.work
+    first = [_Pass(order, False, (False, True) if len(order) * n <= SPILL_BUDGET else (False,))]
+    must = heavy = 0  # ends of the two runs in ``order``
+    for doc in order:
+        length = doc_lengths[doc]
+        if length > cap or doc_workload(length) > allowed:
+            must = heavy = must + 1
+        elif doc_workload(length) > HEAVY * allowed:
+            heavy += 1
+        else:
+            break
+    if 0 < must < heavy:
+        # Not descended: it shares little beyond the zigzagged must-split docs, and descent
+        # gained nothing on it in the benchmark sets (bench/ilp_compare.py).
+        first.append(_Pass(order[must:heavy] + order[:must] + order[heavy:], True, (True,), False))
+    return first, [_Pass(order, True, (False, True))]
+
+
+def _place(
+    doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, fill_aware: bool,
+    total_work: int,
+) -> tuple[_Ranks, list[tuple[int, int]]]:
+    """Step 1 of the module docstring up to the spill: the layout so far and the docs left
+    to split for tokens (``total_work``: the docs' total workload)."""
     rest_tokens = sum(doc_lengths)
-    rest_work = sum(length * (length + 1) // 2 for length in doc_lengths)
+    rest_work = total_work
+    cap = -(-rest_tokens // n)
+    ranks = _Ranks(n, cap)
+    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
     spill: list[tuple[int, int]] = []
+    all_ranks = range(n)
     for doc in order:
         length = doc_lengths[doc]
         doc_work = length * (length + 1) // 2
@@ -213,19 +256,23 @@ def _balanced_pass(
         density = rest_work / rest_tokens if rest_tokens else 0.0
         # Lag up to a constant shared by all ranks: tokens x density - load.
         best, best_lag = -1, float("-inf")
-        for r in range(n):
-            if cap - tokens[r] >= length:
+        most = cap - length  # tokens a rank may hold to have room for the doc
+        for r in all_ranks:
+            if tokens[r] <= most:
                 lag = tokens[r] * density - work[r]
                 if lag > best_lag:
                     best, best_lag = r, lag
         if best >= 0 and work[best] + doc_work <= allowed:
-            ranks.add(best, doc, 0, length)
+            # ranks.add(best, doc, 0, length) inlined: most docs take this path.
+            shards[best].append(_new_shard(Shard, (doc, 0, length)))
+            tokens[best] += length
+            work[best] += doc_work
             continue
         if min(work) + doc_work <= allowed:
             spill.append((doc, length))  # light enough but no room: split for tokens
             continue
         by_lag = sorted(range(n), key=lambda r: (work[r] - tokens[r] * density, r))
-        fill = density if variant.fill_aware else 0.0
+        fill = density if fill_aware else 0.0
         chosen = None
         for m in range(2, n + 1):
             # The m most lagging ranks with room for an equal share.
@@ -239,11 +286,14 @@ def _balanced_pass(
             spill.append((doc, length))  # no m ranks have room for shares: split for tokens
             continue
         _zigzag(ranks, chosen, doc, length)
-    _split_spill(ranks, spill, tail_largest=variant.tail_largest)
-    if imbalance(ranks.work) > allowed * n / sum(ranks.work):
-        _exchange(ranks, allowed)
-    return ranks
+    return ranks, spill
 
+
+def _finish(ranks: _Ranks, spill: Sequence[tuple[int, int]], allowed: float, tail_largest: bool) -> None:
+    """The rest of step 1: split the spill for tokens, then rebalance if R is missed."""
+    _split_spill(ranks, spill, tail_largest=tail_largest)
+    if imbalance(ranks.work) > allowed * len(ranks.work) / sum(ranks.work):
+        _exchange(ranks, allowed)
 
 
 def _ends(ranks: _Ranks, rank: int, share: float, load: float, density: float) -> float:
@@ -293,28 +343,29 @@ def flashcp_shards(
     """Per-rank shards and the docs cut by Per-Doc (zigzag) sharding (module docstring)."""
     n = num_ranks
     order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
-    allowed = target * sum(doc_workload(length) for length in doc_lengths) / n
+    total_work = sum(length * (length + 1) for length in doc_lengths) // 2  # sum of doc_workload
+    allowed = target * total_work / n
     fallback: tuple[float, _Ranks] | None = None
-    passing: list[_Ranks] = []
-    spent = 0
-    for i, variant in enumerate(VARIANTS if n > 1 else ()):
-        # The first always, the second if the first missed R, more within the budget.
-        if (passing or i >= 2) and spent + len(order) * n > VARIANT_BUDGET:
-            break
-        spent += len(order) * n
-        ranks = _balanced_pass(doc_lengths, order, n, allowed, variant)
-        imb = imbalance(ranks.work)
-        if imb <= target:
-            passing.append(ranks)
-        elif fallback is None or imb < fallback[0]:
-            fallback = (imb, ranks)
-    if passing:
-        # The least KV on the critical path; computed only when there is a choice.
-        chosen = passing[0] if len(passing) == 1 else min(
-            passing, key=lambda r: max(comm_volumes(r.shards).alltoallv_recv))
-        if len(order) * n * DESCENT_STEPS <= DESCENT_BUDGET:
-            _descend(chosen, allowed, DESCENT_STEPS)
-        return chosen.shards, _zigzagged(chosen, doc_lengths)
+    best: tuple[int, _Ranks] | None = None
+    steps = DESCENT_STEPS if len(order) * n <= DESCENT_BUDGET else 0
+    if n > 1:
+        for passes in _passes(doc_lengths, order, n, allowed):
+            for spec in passes:
+                placed, spill = _place(doc_lengths, spec.order, n, allowed, spec.fill_aware,
+                                       total_work)
+                for i, tail_largest in enumerate(spec.spills):
+                    ranks = placed.copy() if i + 1 < len(spec.spills) else placed
+                    _finish(ranks, spill, allowed, tail_largest)
+                    imb = imbalance(ranks.work)
+                    if imb <= target:
+                        # The least KV on the critical path after descent; first wins ties.
+                        recv = _descend(ranks, allowed, steps if spec.descend else 0)
+                        if best is None or recv < best[0]:
+                            best = (recv, ranks)
+                    elif fallback is None or imb < fallback[0]:
+                        fallback = (imb, ranks)
+            if best is not None:
+                return best[1].shards, _zigzagged(best[1], doc_lengths)
     imb, ranks, per_doc = _algorithm1(doc_lengths, order, n, target, allowed, max_per_doc)
     if fallback is not None and fallback[0] < imb:
         return fallback[1].shards, _zigzagged(fallback[1], doc_lengths)

@@ -5,7 +5,8 @@ so the layout keeps its T tokens per rank; only workload and KV traffic change:
 
 - ``_exchange`` (balance): while the busiest rank exceeds the allowed workload, it gives
   its highest positions of a doc for as many of the lowest positions of a doc on a light
-  rank (a later token carries more work: query i attends i + 1 keys);
+  rank (a later token carries more work: query i attends i + 1 keys); across docs, a
+  middle stretch of the doc (``_fold``) where that needs less KV than its top;
 - ``_descend`` (comm): the rank receiving the most KV gives the top stretch of a doc it
   shares with another rank for that rank's lowest positions of the doc, while both stay
   within the allowed workload, so the critical-path receive shrinks.
@@ -17,7 +18,7 @@ decides when to run these moves) is in ``planner_service/solvers/flashcp.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
 from planner_service.core.plan import Shard
@@ -73,11 +74,18 @@ def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
     prefix)."""
     n = len(ranks.work)
     mean = sum(ranks.work) / n
+    cache: dict[int, dict[int, list[tuple[int, int]]]] = {}  # rank -> intervals, until it changes
+
+    def intervals(rank: int) -> dict[int, list[tuple[int, int]]]:
+        if rank not in cache:
+            cache[rank] = _intervals(ranks, rank)
+        return cache[rank]
+
     for _ in range(max_moves):
         busy = max(range(n), key=lambda r: (ranks.work[r], -r))
         if ranks.work[busy] <= allowed:
             return
-        held = _intervals(ranks, busy)
+        held = intervals(busy)
         partners = []
         for other in sorted(range(n), key=lambda r: (ranks.work[r], r))[:PARTNERS]:
             # Aim to bring the busiest rank to mean + SETTLE x slack; never push the partner
@@ -85,7 +93,7 @@ def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
             most = min(allowed - ranks.work[other], ranks.work[busy] - ranks.work[other])
             goal = min(ranks.work[busy] - mean - SETTLE * (allowed - mean), most)
             if other != busy and goal > 0:
-                partners.append((other, goal, most, _intervals(ranks, other)))
+                partners.append((other, goal, most, intervals(other)))
         best = _best_move(held, partners, shared=True) or _best_move(held, partners, shared=False)
         if best is None:
             return
@@ -93,6 +101,10 @@ def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
         count = _count_for(held[x], theirs[y], goal, limit)
         mine_kept, mine_given = _take(held[x], count, True)
         their_kept, their_given = _take(theirs[y], count, False)
+        cap = next(most for rank, _, most, _ in partners if rank == other)
+        fold = _fold(held, theirs, x, y, goal, cap, count) if x != y else None
+        if fold is not None:
+            mine_kept, mine_given, their_kept, their_given = fold
         if x == y:
             _replace(ranks, busy, x, mine_kept + their_given)
             _replace(ranks, other, x, their_kept + mine_given)
@@ -101,6 +113,61 @@ def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
             _replace(ranks, busy, y, held.get(y, []) + their_given)
             _replace(ranks, other, y, their_kept)
             _replace(ranks, other, x, theirs.get(x, []) + mine_given)
+        del cache[busy], cache[other]
+
+
+def _need(intervals: Sequence[tuple[int, int]]) -> int:
+    """KV a rank receives for one doc it holds as these sorted intervals (0 if none)."""
+    return intervals[-1][1] - sum(b - a for a, b in intervals) if intervals else 0
+
+
+FOLD_COUNTS = 12
+"""Sizes of the middle stretch tried by ``_fold`` (a geometric grid)."""
+
+
+def _fold(held: dict[int, list[tuple[int, int]]], theirs: dict[int, list[tuple[int, int]]],
+          x: int, y: int, goal: float, most_work: float, count: int):
+    """A cheaper form of the cross-doc exchange, or None. The exchange gives the partner my
+    top ``count`` positions of doc x (it then needs x's prefix up to there) for their
+    lowest ``count`` of doc y. Giving a middle stretch [a, a + c) of my top stretch
+    [s, e) of x instead costs the partner only x's prefix up to a and me the c positions
+    given: the fold the exact ILP uses for heavy docs. Taken when it lowers the larger of
+    the two ranks' receives and moves at least ``goal`` work (the top move's work at most)
+    and at most ``most_work`` (what the partner may take). Returns (my x kept, given;
+    their y kept, given) like the top move's ``_take``s.
+    """
+    def receives(mine_x, mine_y, their_x, their_y) -> int:
+        mine = base_mine + _need(mine_x) + _need(mine_y)
+        their = base_their + _need(their_x) + _need(their_y)
+        return max(mine, their)
+
+    mine_iv, their_iv = held[x], theirs[y]
+    # Receives without docs x and y, which every candidate changes.
+    base_mine = sum(_need(iv) for d, iv in held.items() if d not in (x, y))
+    base_their = sum(_need(iv) for d, iv in theirs.items() if d not in (x, y))
+    kept, given = _take(mine_iv, count, True)
+    their_kept, their_given = _take(their_iv, count, False)
+    top_work = _edge_work(mine_iv, count, True) - _edge_work(their_iv, count, False)
+    best_cost = receives(kept, _merged(held.get(y, []) + their_given),
+                         _merged(theirs.get(x, []) + given), their_kept)
+    want = min(goal, top_work)
+    s, e = mine_iv[-1]
+    most = min(e - s, sum(b - a for a, b in their_iv))
+    best = None
+    for k in range(FOLD_COUNTS):
+        c = max(1, round(most ** ((k + 1) / FOLD_COUNTS)))
+        low = _edge_work(their_iv, c, False)
+        # c positions from a on move c (2a + c + 1) / 2 - low work: the least a moving ``want``.
+        a = max(s, math.ceil((want + low) / c - (c + 1) / 2))
+        if a + c >= e or c * (2 * a + c + 1) // 2 - low > most_work:
+            continue  # the top move, or too much work for the partner
+        mine_x = mine_iv[:-1] + ([(s, a)] if a > s else []) + [(a + c, e)]
+        their_kept_c, their_given_c = _take(their_iv, c, False)
+        cost = receives(mine_x, _merged(held.get(y, []) + their_given_c),
+                        _merged(theirs.get(x, []) + [(a, a + c)]), their_kept_c)
+        if cost < best_cost:
+            best_cost, best = cost, (mine_x, [(a, a + c)], their_kept_c, their_given_c)
+    return best
 
 
 def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *, shared: bool):
@@ -131,49 +198,80 @@ def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *, shared
     return None if best is None else best[1]
 
 
-def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> None:
+def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
     """Lower the critical-path KV within the balance limit: the rank receiving most gives
     the top stretch of a doc it shares with another rank for as many of that rank's lowest
     positions of the doc, so its need of the doc's prefix shrinks and the partner's grows;
     taken when the larger of the two ranks' new receives is below the old maximum and both
-    workloads stay within ``allowed``."""
+    workloads stay within ``allowed``. Returns the most KV any rank then receives."""
     n = len(ranks.work)
-    held = [_intervals(ranks, r) for r in range(n)]
-    recv = [sum(iv[-1][1] - sum(b - a for a, b in iv) for iv in h.values()) for h in held]
+    # Only docs on more than one rank move KV (a rank holding all of a doc needs none).
+    owner: dict[int, int] = {}
+    shared = set()
+    for r, shards in enumerate(ranks.shards):
+        for s in shards:
+            if owner.setdefault(s.doc, r) != r:
+                shared.add(s.doc)
+    held = [_intervals(ranks, r, shared) for r in range(n)]
+    size = [{doc: sum(b - a for a, b in iv) for doc, iv in h.items()} for h in held]
+    recv = [sum(iv[-1][1] - size[r][doc] for doc, iv in held[r].items()) for r in range(n)]
     for _ in range(max_steps):
         top = max(range(n), key=lambda r: (recv[r], -r))
         best = None
         for other in range(n):
             if other == top:
                 continue
-            for doc in held[top].keys() & held[other].keys():
+            for doc in sorted(held[top].keys() & held[other].keys()):
                 mine, theirs = held[top][doc], held[other][doc]
                 limit = _crossing(mine, theirs)
-                for count in {min(limit, mine[-1][1] - mine[-1][0]), limit // 2, limit}:
+                mine_size, their_size = size[top][doc], size[other][doc]
+                my_end, their_end = mine[-1][1], theirs[-1][1]
+                for count in sorted({min(limit, my_end - mine[-1][0]), limit // 2, limit}):
                     if count <= 0:
                         continue
                     moved = _edge_work(mine, count, True) - _edge_work(theirs, count, False)
                     if ranks.work[other] + moved > allowed:
-                        continue
-                    mine_kept, mine_given = _take(mine, count, True)
-                    their_kept, their_given = _take(theirs, count, False)
-                    new_mine = sorted(mine_kept + their_given)
-                    new_theirs = sorted(their_kept + mine_given)
-                    old_mine = mine[-1][1] - sum(b - a for a, b in mine)
-                    old_theirs = theirs[-1][1] - sum(b - a for a, b in theirs)
-                    top_recv = recv[top] - old_mine + new_mine[-1][1] - sum(b - a for a, b in new_mine)
-                    other_recv = recv[other] - old_theirs + new_theirs[-1][1] - sum(
-                        b - a for a, b in new_theirs)
+                        break  # up to the crossing, more positions move more work
+                    # Token counts stay, so only the ends (the prefixes needed) change: I keep
+                    # my lowest positions and gain their lowest; they gain my top stretch.
+                    top_end = max(_end_below(mine, count), _end_of_lowest(theirs, count))
+                    other_end = max(their_end if count < their_size else 0, my_end)
+                    top_recv = recv[top] - my_end + top_end
+                    other_recv = recv[other] - their_end + other_end
                     worst = max(top_recv, other_recv)
                     if worst < recv[top] and (best is None or worst < best[0]):
-                        best = (worst, other, doc, new_mine, new_theirs, top_recv, other_recv)
+                        best = (worst, other, doc, count, top_recv, other_recv)
         if best is None:
-            return
-        _, other, doc, new_mine, new_theirs, top_recv, other_recv = best
+            break
+        _, other, doc, count, top_recv, other_recv = best
+        mine, theirs = held[top][doc], held[other][doc]
+        mine_kept, mine_given = _take(mine, count, True)
+        their_kept, their_given = _take(theirs, count, False)
+        new_mine, new_theirs = _merged(mine_kept + their_given), _merged(their_kept + mine_given)
         _replace(ranks, top, doc, new_mine)
         _replace(ranks, other, doc, new_theirs)
-        held[top][doc], held[other][doc] = _merged(new_mine), _merged(new_theirs)
+        held[top][doc], held[other][doc] = new_mine, new_theirs
         recv[top], recv[other] = top_recv, other_recv
+    return max(recv)
+
+
+def _end_below(intervals: Sequence[tuple[int, int]], count: int) -> int:
+    """End of what is left of sorted intervals after their ``count`` highest positions go
+    (0 if nothing is left)."""
+    for a, b in reversed(intervals):
+        if count < b - a:
+            return b - count
+        count -= b - a
+    return 0
+
+
+def _end_of_lowest(intervals: Sequence[tuple[int, int]], count: int) -> int:
+    """End of the ``count`` lowest positions of sorted intervals (count >= 1)."""
+    for a, b in intervals:
+        if count <= b - a:
+            return a + count
+        count -= b - a
+    return intervals[-1][1]
 
 
 def _merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -193,6 +291,9 @@ def _crossing(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]]
     i, j = len(mine) - 1, 0
     if i < 0 or not theirs:
         return 0
+    if i == 0 and len(theirs) == 1:  # one stretch each (the common case): the walk's one step
+        return max(0, min(mine[0][1] - mine[0][0], theirs[0][1] - theirs[0][0],
+                          (mine[0][1] - theirs[0][0]) // 2))
     top, bottom = mine[i][1], theirs[0][0]  # next: my top - 1, their bottom
     count = 0
     while True:
@@ -244,6 +345,9 @@ def _count_for(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]
 
 def _edge_work(intervals: Sequence[tuple[int, int]], count: int, top: bool) -> int:
     """Work of the ``count`` highest (``top``) or lowest positions of sorted intervals."""
+    if len(intervals) == 1 and count <= intervals[0][1] - intervals[0][0]:
+        lo = intervals[0][1] - count if top else intervals[0][0]  # one stretch: one term
+        return (2 * lo + count + 1) * count // 2
     total = 0
     for a, b in reversed(intervals) if top else intervals:
         if count <= 0:
@@ -255,11 +359,12 @@ def _edge_work(intervals: Sequence[tuple[int, int]], count: int, top: bool) -> i
     return total
 
 
-def _intervals(ranks: _Ranks, rank: int) -> dict[int, list[tuple[int, int]]]:
-    """The rank's shards as sorted position intervals per doc."""
+def _intervals(ranks: _Ranks, rank: int, docs: Container[int] | None = None) -> dict[int, list[tuple[int, int]]]:
+    """The rank's shards (of ``docs`` only, if given) as sorted position intervals per doc."""
     out: dict[int, list[tuple[int, int]]] = {}
     for s in ranks.shards[rank]:
-        out.setdefault(s.doc, []).append((s.start, s.end))
+        if docs is None or s.doc in docs:
+            out.setdefault(s.doc, []).append((s.start, s.end))
     for intervals in out.values():
         intervals.sort()
     return out
