@@ -159,6 +159,31 @@ def test_fold_keeps_positions_and_lowers_the_receive_comm_volumes_reports(data):
     assert max(comm_volumes(folded).alltoallv_recv) < max(comm_volumes(top).alltoallv_recv)
 
 
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 80), min_size=2, max_size=8, unique=True),
+       st.lists(st.integers(0, 80), min_size=2, max_size=8, unique=True),
+       st.integers(1, 3000))
+def test_count_for_equals_the_slow_reference(a, b, goal):
+    from planner_service.solvers import flashcp_refine as refine
+
+    def intervals(points):
+        points = sorted(points)[: len(points) // 2 * 2]
+        return [(points[i], points[i + 1]) for i in range(0, len(points), 2)]
+
+    mine, theirs = intervals(a), intervals(b)
+    limit = flashcp._crossing(mine, theirs)
+    if limit == 0:
+        return
+    # Pair k moves (my k-th highest + 1) - (their k-th lowest + 1): add pairs while within goal.
+    expected, moved = 0, 0
+    for k in range(1, limit + 1):
+        moved += position(mine, k, True) - position(theirs, k, False)
+        if moved > goal:
+            break
+        expected = k
+    assert refine._count_for(mine, theirs, goal, limit) == max(1, expected)
+
+
 def test_zigzag_gives_each_rank_two_chunks_of_equal_size():
     ranks = flashcp._Ranks(3, 100)
     flashcp._zigzag(ranks, [0, 1, 2], doc=0, length=61)

@@ -30,7 +30,8 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
    and others are heavy but fit whole, the heavy docs first, so the must-split docs are
    cut into the room left rather than splitting a heavy doc too. ``_descend`` then trades
    positions of shared docs to lower the most KV any rank receives, within R, and the
-   layout with the least KV on the critical path wins.
+   layout with the least KV on the critical path wins. Large requests (many docs x
+   ranks) skip the extra passes and the descent, so every batch plans in under 1 ms.
 
 2. If no pass meets R, Algorithm 1 as published (lines 4-24): try k = 0, 1, 2, ... of
    the longest docs under Per-Doc sharding over all N ranks, place the rest by Whole-Doc
@@ -190,9 +191,10 @@ class _Pass(NamedTuple):
 
 DESCENT_STEPS = 8
 """``_descend`` moves per candidate layout (more gained nothing on the benchmark sets)."""
-DESCENT_BUDGET = 256
-"""Docs x ranks up to which ``_descend`` runs (its cost grows with both; larger requests,
-with many short docs, gain least from it)."""
+SEARCH_BUDGET = 256
+"""Docs x ranks up to which the heavy-first pass and ``_descend`` run (their cost grows
+with both; larger requests, with many short docs, gain least from them: about 1 point of
+saving at 128K, while they would take the median solve past 1 ms at N = 8)."""
 SPILL_BUDGET = 128
 """Docs x ranks up to which the longest-first layout is also finished with the spill for
 less KV (keeps large batches well under a millisecond)."""
@@ -208,7 +210,8 @@ def _passes(
 
     The longest-first order's layout is finished both ways (spill for balance, spill for
     less KV) on small requests (docs x ranks within ``SPILL_BUDGET``), where the second
-    gains most; large ones finish it for balance only.
+    gains most; large ones finish it for balance only. The heavy-first pass runs within
+    ``SEARCH_BUDGET``.
 
     The heavy-first order places the heavy docs that fit a rank whole before the docs no
     rank can hold (longer than the rank's T tokens or heavier than ``allowed``), so those
@@ -228,7 +231,7 @@ def _passes(
             heavy += 1
         else:
             break
-    if 0 < must < heavy:
+    if 0 < must < heavy and len(order) * n <= SEARCH_BUDGET:
         # Not descended: it shares little beyond the zigzagged must-split docs, and descent
         # gained nothing on it in the benchmark sets (bench/ilp_compare.py).
         first.append(_Pass(order[must:heavy] + order[:must] + order[heavy:], True, (True,), False))
@@ -347,7 +350,7 @@ def flashcp_shards(
     allowed = target * total_work / n
     fallback: tuple[float, _Ranks] | None = None
     best: tuple[int, _Ranks] | None = None
-    steps = DESCENT_STEPS if len(order) * n <= DESCENT_BUDGET else 0
+    steps = DESCENT_STEPS if len(order) * n <= SEARCH_BUDGET else 0
     if n > 1:
         for passes in _passes(doc_lengths, order, n, allowed):
             for spec in passes:

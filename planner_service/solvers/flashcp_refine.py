@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from planner_service.solvers.flashcp import _Ranks
 
 
+_new_shard = tuple.__new__  # Shard(doc, start, end) without NamedTuple's Python-level __new__
+
 PARTNERS = 2
 """Lightest ranks the busiest one may exchange positions with."""
 CROSS_DOCS = 6
@@ -35,10 +37,6 @@ CROSS_DOCS = 6
 SETTLE = 0.8
 """The exchange brings the busiest rank to mean + SETTLE x (R x mean - mean): moving less
 than down to the mean moves fewer tokens, so less KV."""
-
-
-def _work(intervals: Sequence[tuple[int, int]]) -> int:
-    return sum((a + b + 1) * (b - a) // 2 for a, b in intervals)
 
 
 Intervals = list[tuple[int, int]]
@@ -74,13 +72,29 @@ def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
     prefix)."""
     n = len(ranks.work)
     mean = sum(ranks.work) / n
-    cache: dict[int, dict[int, list[tuple[int, int]]]] = {}  # rank -> intervals, until it changes
+    # Each rank's intervals per doc, built when first needed and then kept up to date;
+    # the shards of the ranks that changed are rewritten from them at the end.
+    cache: dict[int, dict[int, list[tuple[int, int]]]] = {}
 
     def intervals(rank: int) -> dict[int, list[tuple[int, int]]]:
         if rank not in cache:
             cache[rank] = _intervals(ranks, rank)
         return cache[rank]
 
+    changed: set[int] = set()
+    try:
+        _exchange_moves(ranks, allowed, max_moves, mean, intervals, changed)
+    finally:
+        for rank in changed:
+            ranks.shards[rank] = [_new_shard(Shard, (doc, a, b))
+                                  for doc, iv in cache[rank].items() for a, b in iv]
+
+
+def _exchange_moves(ranks: _Ranks, allowed: float, max_moves: int, mean: float,
+                    intervals, changed: set[int]) -> None:
+    """The moves of ``_exchange`` on the ranks' intervals (``intervals(rank)``), recording
+    the ranks they change; workloads are updated as they go."""
+    n = len(ranks.work)
     for _ in range(max_moves):
         busy = max(range(n), key=lambda r: (ranks.work[r], -r))
         if ranks.work[busy] <= allowed:
@@ -106,14 +120,28 @@ def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
         if fold is not None:
             mine_kept, mine_given, their_kept, their_given = fold
         if x == y:
-            _replace(ranks, busy, x, mine_kept + their_given)
-            _replace(ranks, other, x, their_kept + mine_given)
+            ranks.work[busy] += _set_docs(held, {x: mine_kept + their_given})
+            ranks.work[other] += _set_docs(theirs, {x: their_kept + mine_given})
         else:
-            _replace(ranks, busy, x, mine_kept)
-            _replace(ranks, busy, y, held.get(y, []) + their_given)
-            _replace(ranks, other, y, their_kept)
-            _replace(ranks, other, x, theirs.get(x, []) + mine_given)
-        del cache[busy], cache[other]
+            ranks.work[busy] += _set_docs(held, {x: mine_kept, y: held.get(y, []) + their_given})
+            ranks.work[other] += _set_docs(theirs, {y: their_kept, x: theirs.get(x, []) + mine_given})
+        changed.update((busy, other))
+
+
+def _set_docs(held: dict[int, list[tuple[int, int]]],
+              docs: dict[int, list[tuple[int, int]]]) -> int:
+    """Set a rank's intervals of each doc in ``docs`` (sorted, empty ones dropped; a doc
+    left with none leaves the rank); the change in its workload."""
+    delta = 0
+    for doc, new in docs.items():
+        for a, b in held.pop(doc, ()):
+            delta -= (a + b + 1) * (b - a) // 2  # cost.shard_workload
+        kept = sorted(iv for iv in new if iv[1] > iv[0])
+        for a, b in kept:
+            delta += (a + b + 1) * (b - a) // 2
+        if kept:
+            held[doc] = kept
+    return delta
 
 
 def _need(intervals: Sequence[tuple[int, int]]) -> int:
@@ -175,12 +203,13 @@ def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *, shared
     moves work. ``partners``: (rank, goal, most work it may take, its intervals).
     Returns (partner, my doc, their doc, their intervals, goal, limit)."""
     best = None
+    if not shared:
+        mine = sorted(held, key=lambda d: -held[d][-1][1])[:CROSS_DOCS]
     for other, goal, most, theirs in partners:
         if shared:
             pairs = [(d, d) for d in held.keys() & theirs.keys()]
         else:
             longest = sorted(theirs, key=lambda d: -sum(b - a for a, b in theirs[d]))[:2]
-            mine = sorted(held, key=lambda d: -held[d][-1][1])[:CROSS_DOCS]
             pairs = [(x, y) for x in mine for y in longest if x != y]
         for x, y in pairs:
             mine_iv, their_iv = held[x], theirs[y]
@@ -188,8 +217,16 @@ def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *, shared
             # than the partner can take.
             if mine_iv[-1][1] - 1 - their_iv[0][0] > most:
                 continue
-            limit = _crossing(mine_iv, their_iv)
-            potential = _edge_work(mine_iv, limit, True) - _edge_work(their_iv, limit, False)
+            if len(mine_iv) == 1 and len(their_iv) == 1:
+                # One stretch each (most docs are whole): _crossing and _edge_work in closed
+                # form; k pairs move k (my end - their start - k) work.
+                span = mine_iv[0][1] - their_iv[0][0]
+                limit = max(0, min(mine_iv[0][1] - mine_iv[0][0], their_iv[0][1] - their_iv[0][0],
+                                   span // 2))
+                potential = limit * (span - limit)
+            else:
+                limit = _crossing(mine_iv, their_iv)
+                potential = _edge_work(mine_iv, limit, True) - _edge_work(their_iv, limit, False)
             if potential <= 0:
                 continue
             key = (potential >= goal, 0 if shared else -mine_iv[-1][1], min(goal, potential))
@@ -205,6 +242,8 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
     taken when the larger of the two ranks' new receives is below the old maximum and both
     workloads stay within ``allowed``. Returns the most KV any rank then receives."""
     n = len(ranks.work)
+    if max_steps == 0:
+        return _max_receive(ranks)
     # Only docs on more than one rank move KV (a rank holding all of a doc needs none).
     owner: dict[int, int] = {}
     shared = set()
@@ -248,11 +287,24 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
         mine_kept, mine_given = _take(mine, count, True)
         their_kept, their_given = _take(theirs, count, False)
         new_mine, new_theirs = _merged(mine_kept + their_given), _merged(their_kept + mine_given)
-        _replace(ranks, top, doc, new_mine)
-        _replace(ranks, other, doc, new_theirs)
+        _replace(ranks, top, {doc: new_mine})
+        _replace(ranks, other, {doc: new_theirs})
         held[top][doc], held[other][doc] = new_mine, new_theirs
         recv[top], recv[other] = top_recv, other_recv
     return max(recv)
+
+
+def _max_receive(ranks: _Ranks) -> int:
+    """The most KV any rank receives (``cost.comm_volumes`` without the all-gather part):
+    per rank, the ends of its docs' last shards minus its own tokens."""
+    most = 0
+    for shards, tokens in zip(ranks.shards, ranks.tokens):
+        end: dict[int, int] = {}
+        for doc, _, stop in shards:
+            if stop > end.get(doc, 0):
+                end[doc] = stop
+        most = max(most, sum(end.values()) - tokens)
+    return most
 
 
 def _end_below(intervals: Sequence[tuple[int, int]], count: int) -> int:
@@ -288,59 +340,71 @@ def _crossing(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]]
     """How many of my highest positions lie above as many of their lowest: exchanging
     more would move work back, so the exchange moves most work there. One merge walk:
     my positions downwards from the top, theirs upwards from the bottom."""
-    i, j = len(mine) - 1, 0
-    if i < 0 or not theirs:
+    if not mine or not theirs:
         return 0
-    if i == 0 and len(theirs) == 1:  # one stretch each (the common case): the walk's one step
+    if len(mine) == 1 and len(theirs) == 1:  # one stretch each (the common case): one step
         return max(0, min(mine[0][1] - mine[0][0], theirs[0][1] - theirs[0][0],
                           (mine[0][1] - theirs[0][0]) // 2))
-    top, bottom = mine[i][1], theirs[0][0]  # next: my top - 1, their bottom
     count = 0
-    while True:
-        step = min(top - mine[i][0], theirs[j][1] - bottom)
+    for top, bottom, step in _stretches(mine, theirs):
         # The t-th pair of this stretch is top - t > bottom + t - 1 while 2t <= top - bottom.
         fits = (top - bottom) // 2
         if fits < step:
             return count + max(0, fits)
         count += step
+    return count
+
+
+def _stretches(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]]):
+    """The pairing of my positions, highest first, with theirs, lowest first, as
+    stretches (top, bottom, step): my top - 1, top - 2, ... with their bottom, bottom + 1,
+    ... for ``step`` pairs, each stretch within one interval on each side."""
+    i, j = len(mine) - 1, 0
+    top, bottom = mine[i][1], theirs[0][0]
+    while True:
+        step = min(top - mine[i][0], theirs[j][1] - bottom)
+        yield top, bottom, step
         top -= step
         bottom += step
         if top == mine[i][0]:
             i -= 1
             if i < 0:
-                return count
+                return
             top = mine[i][1]
         if bottom == theirs[j][1]:
             j += 1
             if j == len(theirs):
-                return count
+                return
             bottom = theirs[j][0]
 
 
 def _count_for(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]], goal: float,
                limit: int) -> int:
     """The largest count up to ``limit`` whose exchange moves at most ``goal`` work (the
-    work moved grows with the count up to ``limit``), and at least 1."""
-    if len(mine) == 1 and len(theirs) == 1:
-        # Single stretches: c positions move c (b - a) - c^2 work (b: my end, a: their
-        # start); take the smaller root of c^2 - c (b - a) + goal = 0, then settle exactly.
-        span = mine[0][1] - theirs[0][0]
-        disc = span * span - 4 * goal
-        c = limit if disc < 0 else min(limit, int((span - math.sqrt(disc)) / 2))
-        c = max(c, 1)
-        while c < limit and (c + 1) * span - (c + 1) ** 2 <= goal:
-            c += 1
-        while c > 1 and c * span - c * c > goal:
-            c -= 1
-        return c
-    lo, hi = 1, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _edge_work(mine, mid, True) - _edge_work(theirs, mid, False) <= goal:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    work moved grows with the count up to ``limit``), and at least 1.
+
+    Within a stretch (``_stretches``) where my positions run down from ``top`` and theirs
+    up from ``bottom``, k pairs move k (top - bottom - k) work (pair t moves (top - t) -
+    (bottom + t + 1)); in the stretch where the goal is passed, k is the smaller root of
+    k^2 - k (top - bottom) + rest = 0, settled exactly."""
+    count = moved = 0
+    for top, bottom, step in _stretches(mine, theirs):
+        step = min(step, limit - count)
+        if step <= 0:
+            break
+        span = top - bottom
+        if moved + step * (span - step) > goal:
+            rest = goal - moved
+            disc = span * span - 4 * rest
+            k = step if disc < 0 else min(step, int((span - math.sqrt(disc)) / 2))
+            while k < step and (k + 1) * (span - k - 1) <= rest:
+                k += 1
+            while k > 0 and k * (span - k) > rest:
+                k -= 1
+            return max(1, count + k)
+        moved += step * (span - step)
+        count += step
+    return max(1, count)
 
 
 def _edge_work(intervals: Sequence[tuple[int, int]], count: int, top: bool) -> int:
@@ -370,9 +434,20 @@ def _intervals(ranks: _Ranks, rank: int, docs: Container[int] | None = None) -> 
     return out
 
 
-def _replace(ranks: _Ranks, rank: int, doc: int, intervals: Sequence[tuple[int, int]]) -> None:
-    """Set the rank's shards of one doc (token count unchanged), updating its workload."""
-    old = [s for s in ranks.shards[rank] if s.doc == doc]
-    ranks.shards[rank] = [s for s in ranks.shards[rank] if s.doc != doc]
-    ranks.work[rank] += _work(intervals) - _work([(s.start, s.end) for s in old])
-    ranks.shards[rank].extend(Shard(doc, a, b) for a, b in sorted(intervals) if b > a)
+def _replace(ranks: _Ranks, rank: int, docs: dict[int, Sequence[tuple[int, int]]]) -> None:
+    """Set the rank's shards of each doc in ``docs`` to the given intervals (token count
+    unchanged), updating its workload. One pass over the rank's shards."""
+    kept = []
+    delta = 0
+    for s in ranks.shards[rank]:
+        if s.doc in docs:
+            delta -= (s.start + s.end + 1) * (s.end - s.start) // 2  # cost.shard_workload
+        else:
+            kept.append(s)
+    for doc, intervals in docs.items():
+        for a, b in sorted(intervals):
+            if b > a:
+                kept.append(Shard(doc, a, b))
+                delta += (a + b + 1) * (b - a) // 2
+    ranks.shards[rank] = kept
+    ranks.work[rank] += delta
