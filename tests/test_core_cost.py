@@ -72,7 +72,7 @@ def random_layouts(draw):
     for doc, length in enumerate(draw(st.lists(st.integers(1, 12), min_size=1, max_size=5))):
         cuts = sorted(draw(st.sets(st.integers(1, length - 1), max_size=length - 1)) if length > 1 else set())
         bounds = [0, *cuts, length]
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in zip(bounds, bounds[1:], strict=False):
             ranks[draw(st.integers(0, n - 1))].append(Shard(doc, a, b))
     return ranks
 

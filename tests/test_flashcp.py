@@ -119,7 +119,7 @@ def test_fold_keeps_positions_and_lowers_the_receive_comm_volumes_reports(data):
     lengths = [data.draw(st.integers(2, 60)) for _ in range(3)]
     x, y, z = 0, 1, 2
     cut = {d: sorted(data.draw(st.sets(st.integers(1, lengths[d] - 1), max_size=3))) for d in (x, y, z)}
-    pieces = {d: list(zip([0, *cut[d]], [*cut[d], lengths[d]])) for d in (x, y, z)}
+    pieces = {d: list(zip([0, *cut[d]], [*cut[d], lengths[d]], strict=True)) for d in (x, y, z)}
     # Rank 0 holds x's last piece; rank 1 holds y's first piece; the rest are dealt.
     owner = {(d, i): data.draw(st.integers(0, 1)) for d in (x, y, z) for i in range(len(pieces[d]))}
     owner[x, len(pieces[x]) - 1], owner[y, 0] = 0, 1
@@ -148,7 +148,7 @@ def test_fold_keeps_positions_and_lowers_the_receive_comm_volumes_reports(data):
     if fold is None:
         return
     folded = layout(*fold)
-    for a, b in zip(top, folded):  # same tokens per rank, same positions overall
+    for a, b in zip(top, folded, strict=True):  # same tokens per rank, same positions overall
         assert sum(s.end - s.start for s in a) == sum(s.end - s.start for s in b)
     assert sorted((d, p) for r in top for d, a, b in r for p in range(a, b)) == sorted(
         (d, p) for r in folded for d, a, b in r for p in range(a, b))

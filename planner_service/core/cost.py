@@ -68,22 +68,28 @@ class CommVolumes(NamedTuple):
         return (n - 1) * max(self.allgather_send, default=0)
 
 
+def last_ends(shards: Sequence[Shard]) -> dict[int, int]:
+    """Per doc, the end of a rank's last shard of it: the KV prefix the rank needs."""
+    end: dict[int, int] = {}
+    for doc, _, stop in shards:
+        if stop > end.get(doc, 0):
+            end[doc] = stop
+    return end
+
+
+def alltoallv_receives(shards_per_rank: Sequence[Sequence[Shard]]) -> list[int]:
+    """Per rank, the KV tokens the exact all-to-all-v delivers: per doc it holds, the
+    prefix up to its last shard's end minus what it holds; summed, the ends minus its
+    own tokens."""
+    return [sum(last_ends(shards).values()) - sum(b - a for _, a, b in shards)
+            for shards in shards_per_rank]
+
+
 def comm_volumes(shards_per_rank: Sequence[Sequence[Shard]]) -> CommVolumes:
     """Per-rank all-to-all-v receive and compact all-gather send volumes."""
-    # ends[rank][doc]: end of the rank's last shard of doc = the KV prefix it needs. What
-    # it receives is that prefix minus what it holds, summed over its docs: sum of the
-    # ends minus its own tokens.
-    ends: list[dict[int, int]] = []
-    recv = []
-    for shards in shards_per_rank:
-        end: dict[int, int] = {}
-        held = 0
-        for doc, start, stop in shards:
-            held += stop - start
-            if stop > end.get(doc, 0):
-                end[doc] = stop
-        ends.append(end)
-        recv.append(sum(end.values()) - held)
+    ends = [last_ends(shards) for shards in shards_per_rank]
+    recv = [sum(end.values()) - sum(b - a for _, a, b in shards)
+            for end, shards in zip(ends, shards_per_rank, strict=True)]
     # The furthest end among a doc's holders (with its rank) and the runner-up: the
     # furthest end any *other* rank needs is the runner-up for the furthest holder itself.
     first: dict[int, tuple[int, int]] = {}

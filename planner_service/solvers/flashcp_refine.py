@@ -21,6 +21,7 @@ import math
 from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
+from planner_service.core.cost import alltoallv_receives
 from planner_service.core.plan import Shard
 
 if TYPE_CHECKING:
@@ -243,7 +244,7 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
     workloads stay within ``allowed``. Returns the most KV any rank then receives."""
     n = len(ranks.work)
     if max_steps == 0:
-        return _max_receive(ranks)
+        return max(alltoallv_receives(ranks.shards))
     # Only docs on more than one rank move KV (a rank holding all of a doc needs none).
     owner: dict[int, int] = {}
     shared = set()
@@ -253,7 +254,7 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
                 shared.add(s.doc)
     held = [_intervals(ranks, r, shared) for r in range(n)]
     size = [{doc: sum(b - a for a, b in iv) for doc, iv in h.items()} for h in held]
-    recv = [sum(iv[-1][1] - size[r][doc] for doc, iv in held[r].items()) for r in range(n)]
+    recv = [sum(_need(iv) for iv in held[r].values()) for r in range(n)]
     for _ in range(max_steps):
         top = max(range(n), key=lambda r: (recv[r], -r))
         best = None
@@ -263,7 +264,7 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
             for doc in sorted(held[top].keys() & held[other].keys()):
                 mine, theirs = held[top][doc], held[other][doc]
                 limit = _crossing(mine, theirs)
-                mine_size, their_size = size[top][doc], size[other][doc]
+                their_size = size[other][doc]
                 my_end, their_end = mine[-1][1], theirs[-1][1]
                 for count in sorted({min(limit, my_end - mine[-1][0]), limit // 2, limit}):
                     if count <= 0:
@@ -292,19 +293,6 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
         held[top][doc], held[other][doc] = new_mine, new_theirs
         recv[top], recv[other] = top_recv, other_recv
     return max(recv)
-
-
-def _max_receive(ranks: _Ranks) -> int:
-    """The most KV any rank receives (``cost.comm_volumes`` without the all-gather part):
-    per rank, the ends of its docs' last shards minus its own tokens."""
-    most = 0
-    for shards, tokens in zip(ranks.shards, ranks.tokens):
-        end: dict[int, int] = {}
-        for doc, _, stop in shards:
-            if stop > end.get(doc, 0):
-                end[doc] = stop
-        most = max(most, sum(end.values()) - tokens)
-    return most
 
 
 def _end_below(intervals: Sequence[tuple[int, int]], count: int) -> int:
