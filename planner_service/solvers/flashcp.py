@@ -29,7 +29,8 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
    on small requests, also with the spill for less KV; and, when some docs must be split
    and others are heavy but fit whole, the heavy docs first, so the must-split docs are
    cut into the room left rather than splitting a heavy doc too. ``_descend`` then trades
-   positions of shared docs to lower the most KV any rank receives, within R, and the
+   positions of shared docs (for the same doc's, or for a doc held whole) to lower the
+   most KV any rank receives, within R, and the
    layout with the least KV on the critical path wins. Large requests (many docs x
    ranks) skip the extra passes and the descent, so every batch plans in under 1 ms.
 

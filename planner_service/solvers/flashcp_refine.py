@@ -8,8 +8,10 @@ so the layout keeps its T tokens per rank; only workload and KV traffic change:
   rank (a later token carries more work: query i attends i + 1 keys); across docs, a
   middle stretch of the doc (``_fold``) where that needs less KV than its top;
 - ``_descend`` (comm): the rank receiving the most KV gives the top stretch of a doc it
-  shares with another rank for that rank's lowest positions of the doc, while both stay
-  within the allowed workload, so the critical-path receive shrinks.
+  shares with another rank for that rank's lowest positions of the doc, or gives a doc it
+  holds whole for as many of the partner's highest positions of a shared doc (filling the
+  gap below its own top stretch, ``_best_absorb``), while both stay within the allowed
+  workload, so the critical-path receive shrinks.
 
 The layout under construction is ``flashcp._Ranks``; the heuristic that builds it (and
 decides when to run these moves) is in ``planner_service/solvers/flashcp.py``.
@@ -240,8 +242,10 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
     """Lower the critical-path KV within the balance limit: the rank receiving most gives
     the top stretch of a doc it shares with another rank for as many of that rank's lowest
     positions of the doc, so its need of the doc's prefix shrinks and the partner's grows;
-    taken when the larger of the two ranks' new receives is below the old maximum and both
-    workloads stay within ``allowed``. Returns the most KV any rank then receives."""
+    or it gives a doc it holds whole for the partner's highest positions of a shared doc
+    (``_best_absorb``), whichever lowers the larger of the two ranks' new receives most;
+    taken when that is below the old maximum and both workloads stay within ``allowed``.
+    Returns the most KV any rank then receives."""
     n = len(ranks.work)
     if max_steps == 0:
         return max(alltoallv_receives(ranks.shards))
@@ -255,6 +259,12 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
     held = [_intervals(ranks, r, shared) for r in range(n)]
     size = [{doc: sum(b - a for a, b in iv) for doc, iv in h.items()} for h in held]
     recv = [sum(_need(iv) for iv in held[r].values()) for r in range(n)]
+    # Each rank's docs held whole and by it alone: doc -> length.
+    lengths: list[dict[int, int]] = [{} for _ in range(n)]
+    for r, shards in enumerate(ranks.shards):
+        for s in shards:
+            if s.doc not in shared and s.end > lengths[r].get(s.doc, 0):
+                lengths[r][s.doc] = s.end
     for _ in range(max_steps):
         top = max(range(n), key=lambda r: (recv[r], -r))
         best = None
@@ -281,6 +291,18 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
                     worst = max(top_recv, other_recv)
                     if worst < recv[top] and (best is None or worst < best[0]):
                         best = (worst, other, doc, count, top_recv, other_recv)
+        absorb = _best_absorb(ranks, held, recv, top, allowed, lengths)
+        if absorb is not None and (best is None or absorb[0] < best[0]):
+            worst, other, doc, whole, new_mine, new_theirs, moved = absorb
+            _replace(ranks, top, {doc: new_mine, whole: ()})
+            _replace(ranks, other, {doc: new_theirs, whole: ((0, lengths[top][whole]),)})
+            held[top][doc], held[other][doc] = new_mine, new_theirs
+            size[top][doc] += lengths[top][whole]
+            size[other][doc] -= lengths[top][whole]
+            lengths[other][whole] = lengths[top].pop(whole)
+            recv[top] = sum(_need(iv) for iv in held[top].values())
+            recv[other] = sum(_need(iv) for iv in held[other].values())
+            continue
         if best is None:
             break
         _, other, doc, count, top_recv, other_recv = best
@@ -293,6 +315,47 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
         held[top][doc], held[other][doc] = new_mine, new_theirs
         recv[top], recv[other] = top_recv, other_recv
     return max(recv)
+
+
+def _best_absorb(ranks: _Ranks, held: list, recv: list[int], top: int, allowed: float,
+                 lengths: list[dict[int, int]]):
+    """The best move in which the rank receiving most gives a doc it holds whole to a
+    partner for as many of the partner's highest positions of a doc both share: the gap
+    below my top stretch of that doc fills, so I need less of its prefix, and the partner
+    needs no more (its top stretch shrinks). None if no such move lowers the larger of the
+    two receives below mine within ``allowed``. Returns (that larger receive, partner,
+    shared doc, whole doc, my new intervals of the shared doc, theirs, work moved)."""
+    best = None
+    if not lengths[top]:
+        return None
+    # Shorter whole docs first: the work moved grows with the count.
+    mine_whole = sorted(lengths[top].items(), key=lambda item: (item[1], item[0]))
+    for other in range(len(recv)):
+        if other == top:
+            continue
+        for doc in sorted(held[top].keys() & held[other].keys()):
+            mine, theirs = held[top][doc], held[other][doc]
+            need_mine = _need(mine)
+            if need_mine == 0 or theirs[-1][1] > mine[-1][1]:
+                continue  # nothing to gain, or I would need more of the prefix
+            need_theirs = _need(theirs)
+            their_size = sum(b - a for a, b in theirs)
+            for whole, length in mine_whole:
+                if length >= their_size:
+                    break
+                moved = _edge_work(theirs, length, True) - length * (length + 1) // 2
+                if ranks.work[top] + moved > allowed:
+                    break
+                if ranks.work[other] - moved > allowed:
+                    continue
+                kept, given = _take(theirs, length, True)
+                new_mine = _merged(mine + given)
+                top_recv = recv[top] - need_mine + _need(new_mine)
+                other_recv = recv[other] - need_theirs + _need(kept)
+                worst = max(top_recv, other_recv)
+                if worst < recv[top] and (best is None or worst < best[0]):
+                    best = (worst, other, doc, whole, new_mine, kept, moved)
+    return best
 
 
 def _end_below(intervals: Sequence[tuple[int, int]], count: int) -> int:
