@@ -33,8 +33,12 @@ if TYPE_CHECKING:
 
 _new_shard = tuple.__new__  # Shard(doc, start, end) without NamedTuple's Python-level __new__
 
-PARTNERS = 2
-"""Lightest ranks the busiest one may exchange positions with."""
+ABSORB_TRIES = 2
+"""Whole docs (the longest that fit) ``_best_absorb`` tries per shared doc and partner."""
+PARTNERS = 1
+"""Lightest ranks the busiest one may exchange positions with (one: with the two lightest,
+the exchange sometimes moved work to the second, leaving less room for the descent; one
+gave more saving on the 32K benchmark sets, in less time)."""
 CROSS_DOCS = 6
 """The busiest rank's docs (furthest-reaching first) tried against a partner's other docs."""
 SETTLE = 0.8
@@ -67,8 +71,8 @@ def _take(intervals: Intervals, count: int, top: bool) -> tuple[Intervals, Inter
 
 def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
     """Rebalance without changing any rank's token count: the busiest rank gives its
-    highest positions of a doc and takes as many of the lowest positions of a doc on one
-    of the two lightest ranks (a later token carries more work: query i attends i + 1
+    highest positions of a doc and takes as many of the lowest positions of a doc on the
+    lightest rank (``PARTNERS``; a later token carries more work: query i attends i + 1
     keys). The same doc on both ranks is preferred, as both already need its prefix;
     else the partner's longest doc (its lowest positions are its cheapest) against my doc
     that ends earliest among those that can move enough (the partner will need its
@@ -152,7 +156,7 @@ def _need(intervals: Sequence[tuple[int, int]]) -> int:
     return intervals[-1][1] - sum(b - a for a, b in intervals) if intervals else 0
 
 
-FOLD_COUNTS = 12
+FOLD_COUNTS = 6
 """Sizes of the middle stretch tried by ``_fold`` (a geometric grid)."""
 
 
@@ -244,8 +248,9 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
     positions of the doc, so its need of the doc's prefix shrinks and the partner's grows;
     or it gives a doc it holds whole for the partner's highest positions of a shared doc
     (``_best_absorb``), whichever lowers the larger of the two ranks' new receives most;
-    taken when that is below the old maximum and both workloads stay within ``allowed``.
-    Returns the most KV any rank then receives."""
+    taken when that is below the old maximum and both workloads stay within ``allowed``
+    (or the busiest rank's workload, if that is higher). Returns the most KV any rank
+    then receives."""
     n = len(ranks.work)
     if max_steps == 0:
         return max(alltoallv_receives(ranks.shards))
@@ -256,32 +261,46 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
         for s in shards:
             if owner.setdefault(s.doc, r) != r:
                 shared.add(s.doc)
+    allowed = max(allowed, max(ranks.work))
     held = [_intervals(ranks, r, shared) for r in range(n)]
     size = [{doc: sum(b - a for a, b in iv) for doc, iv in h.items()} for h in held]
-    recv = [sum(_need(iv) for iv in held[r].values()) for r in range(n)]
+    needs = [{doc: _need(iv) for doc, iv in h.items()} for h in held]  # per rank, per doc
+    recv = [sum(need.values()) for need in needs]
     # Each rank's docs held whole and by it alone: doc -> length.
     lengths: list[dict[int, int]] = [{} for _ in range(n)]
     for r, shards in enumerate(ranks.shards):
         for s in shards:
             if s.doc not in shared and s.end > lengths[r].get(s.doc, 0):
                 lengths[r][s.doc] = s.end
+    changed: set[int] = set()
     for _ in range(max_steps):
         top = max(range(n), key=lambda r: (recv[r], -r))
+        # A doc I hold as a prefix (need 0) cannot lower my receive: skip it.
+        needy = {doc for doc, need in needs[top].items() if need}
         best = None
         for other in range(n):
             if other == top:
                 continue
-            for doc in sorted(held[top].keys() & held[other].keys()):
+            for doc in sorted(needy & held[other].keys()):
                 mine, theirs = held[top][doc], held[other][doc]
-                limit = _crossing(mine, theirs)
-                their_size = size[other][doc]
                 my_end, their_end = mine[-1][1], theirs[-1][1]
-                for count in sorted({min(limit, my_end - mine[-1][0]), limit // 2, limit}):
+                # The partner then needs the prefix up to my end at least: no count can do
+                # better than that (prune).
+                if recv[other] - their_end + my_end >= (recv[top] if best is None else best[0]):
+                    continue
+                limit = _crossing(mine, theirs)
+                if limit <= 0:
+                    continue
+                # Up to the crossing, more positions move more work: ``most`` is the largest
+                # count the partner can take (at least 1, which may already be too much).
+                room = allowed - ranks.work[other]
+                most = _count_for(mine, theirs, room, limit)
+                if most == 1 and _edge_work(mine, 1, True) - _edge_work(theirs, 1, False) > room:
+                    continue
+                their_size = size[other][doc]
+                for count in sorted({min(my_end - mine[-1][0], most), min(limit // 2, most), most}):
                     if count <= 0:
                         continue
-                    moved = _edge_work(mine, count, True) - _edge_work(theirs, count, False)
-                    if ranks.work[other] + moved > allowed:
-                        break  # up to the crossing, more positions move more work
                     # Token counts stay, so only the ends (the prefixes needed) change: I keep
                     # my lowest positions and gain their lowest; they gain my top stretch.
                     top_end = max(_end_below(mine, count), _end_of_lowest(theirs, count))
@@ -291,71 +310,87 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
                     worst = max(top_recv, other_recv)
                     if worst < recv[top] and (best is None or worst < best[0]):
                         best = (worst, other, doc, count, top_recv, other_recv)
-        absorb = _best_absorb(ranks, held, recv, top, allowed, lengths)
+        absorb = _best_absorb(ranks, held, needs, recv, top, allowed, lengths,
+                              recv[top] if best is None else best[0])
         if absorb is not None and (best is None or absorb[0] < best[0]):
             worst, other, doc, whole, new_mine, new_theirs, moved = absorb
-            _replace(ranks, top, {doc: new_mine, whole: ()})
-            _replace(ranks, other, {doc: new_theirs, whole: ((0, lengths[top][whole]),)})
-            held[top][doc], held[other][doc] = new_mine, new_theirs
             size[top][doc] += lengths[top][whole]
             size[other][doc] -= lengths[top][whole]
             lengths[other][whole] = lengths[top].pop(whole)
-            recv[top] = sum(_need(iv) for iv in held[top].values())
-            recv[other] = sum(_need(iv) for iv in held[other].values())
-            continue
-        if best is None:
+        elif best is not None:
+            _, other, doc, count, _, _ = best
+            mine, theirs = held[top][doc], held[other][doc]
+            mine_kept, mine_given = _take(mine, count, True)
+            their_kept, their_given = _take(theirs, count, False)
+            new_mine, new_theirs = _merged(mine_kept + their_given), _merged(their_kept + mine_given)
+            moved = _edge_work(theirs, count, False) - _edge_work(mine, count, True)
+        else:
             break
-        _, other, doc, count, top_recv, other_recv = best
-        mine, theirs = held[top][doc], held[other][doc]
-        mine_kept, mine_given = _take(mine, count, True)
-        their_kept, their_given = _take(theirs, count, False)
-        new_mine, new_theirs = _merged(mine_kept + their_given), _merged(their_kept + mine_given)
-        _replace(ranks, top, {doc: new_mine})
-        _replace(ranks, other, {doc: new_theirs})
         held[top][doc], held[other][doc] = new_mine, new_theirs
-        recv[top], recv[other] = top_recv, other_recv
+        needs[top][doc], needs[other][doc] = _need(new_mine), _need(new_theirs)
+        recv[top], recv[other] = sum(needs[top].values()), sum(needs[other].values())
+        ranks.work[top] += moved
+        ranks.work[other] -= moved
+        changed.update((top, other))
+    # The changed ranks' shards, from their whole docs and their intervals of shared docs.
+    for r in changed:
+        ranks.shards[r] = [_new_shard(Shard, (doc, 0, length)) for doc, length in lengths[r].items()]
+        ranks.shards[r] += [_new_shard(Shard, (doc, a, b)) for doc, iv in held[r].items() for a, b in iv]
     return max(recv)
 
 
-def _best_absorb(ranks: _Ranks, held: list, recv: list[int], top: int, allowed: float,
-                 lengths: list[dict[int, int]]):
+def _best_absorb(ranks: _Ranks, held: list, needs: list, recv: list[int], top: int,
+                 allowed: float, lengths: list[dict[int, int]], bound: int):
     """The best move in which the rank receiving most gives a doc it holds whole to a
     partner for as many of the partner's highest positions of a doc both share: the gap
     below my top stretch of that doc fills, so I need less of its prefix, and the partner
     needs no more (its top stretch shrinks). None if no such move lowers the larger of the
-    two receives below mine within ``allowed``. Returns (that larger receive, partner,
+    two receives below ``bound`` within ``allowed``. ``needs``: per rank, each shared
+    doc's need (``_need``). Returns (that larger receive, partner,
     shared doc, whole doc, my new intervals of the shared doc, theirs, work moved)."""
     best = None
     if not lengths[top]:
         return None
-    # Shorter whole docs first: the work moved grows with the count.
     mine_whole = sorted(lengths[top].items(), key=lambda item: (item[1], item[0]))
+    room = allowed - ranks.work[top]
     for other in range(len(recv)):
         if other == top:
             continue
         for doc in sorted(held[top].keys() & held[other].keys()):
             mine, theirs = held[top][doc], held[other][doc]
-            need_mine = _need(mine)
-            if need_mine == 0 or theirs[-1][1] > mine[-1][1]:
-                continue  # nothing to gain, or I would need more of the prefix
-            need_theirs = _need(theirs)
+            need_mine, need_theirs = needs[top][doc], needs[other][doc]
+            if need_mine == 0 or theirs[-1][1] > mine[-1][1] or recv[other] - need_theirs >= bound:
+                continue  # nothing to gain, I would need more of the prefix, or no better
             their_size = sum(b - a for a, b in theirs)
-            for whole, length in mine_whole:
-                if length >= their_size:
-                    break
-                moved = _edge_work(theirs, length, True) - length * (length + 1) // 2
-                if ranks.work[top] + moved > allowed:
-                    break
-                if ranks.work[other] - moved > allowed:
+            # The whole docs I can give: shorter than their holding, and (the work moved
+            # grows with the length) up to the longest whose move I can take: a binary
+            # search; the longest ``ABSORB_TRIES`` of them are tried (they fill most).
+            lo, hi = 0, len(mine_whole)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                length = mine_whole[mid][1]
+                if length < their_size and _absorb_work(theirs, length) <= room:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            for whole, length in reversed(mine_whole[max(0, lo - ABSORB_TRIES):lo]):
+                moved = _absorb_work(theirs, length)
+                if moved > room or ranks.work[other] - moved > allowed:
                     continue
                 kept, given = _take(theirs, length, True)
                 new_mine = _merged(mine + given)
                 top_recv = recv[top] - need_mine + _need(new_mine)
                 other_recv = recv[other] - need_theirs + _need(kept)
                 worst = max(top_recv, other_recv)
-                if worst < recv[top] and (best is None or worst < best[0]):
+                if worst < bound and (best is None or worst < best[0]):
                     best = (worst, other, doc, whole, new_mine, kept, moved)
     return best
+
+
+def _absorb_work(theirs: Sequence[tuple[int, int]], length: int) -> int:
+    """Work I gain taking the ``length`` highest positions of ``theirs`` for a whole doc of
+    that length."""
+    return _edge_work(theirs, length, True) - length * (length + 1) // 2
 
 
 def _end_below(intervals: Sequence[tuple[int, int]], count: int) -> int:
@@ -483,22 +518,3 @@ def _intervals(ranks: _Ranks, rank: int, docs: Container[int] | None = None) -> 
     for intervals in out.values():
         intervals.sort()
     return out
-
-
-def _replace(ranks: _Ranks, rank: int, docs: dict[int, Sequence[tuple[int, int]]]) -> None:
-    """Set the rank's shards of each doc in ``docs`` to the given intervals (token count
-    unchanged), updating its workload. One pass over the rank's shards."""
-    kept = []
-    delta = 0
-    for s in ranks.shards[rank]:
-        if s.doc in docs:
-            delta -= (s.start + s.end + 1) * (s.end - s.start) // 2  # cost.shard_workload
-        else:
-            kept.append(s)
-    for doc, intervals in docs.items():
-        for a, b in sorted(intervals):
-            if b > a:
-                kept.append(Shard(doc, a, b))
-                delta += (a + b + 1) * (b - a) // 2
-    ranks.shards[rank] = kept
-    ranks.work[rank] += delta
