@@ -57,7 +57,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner_service.core.build import GroupLayout, Layout
-from planner_service.core.cost import doc_workload, imbalance
+from planner_service.core.cost import alltoallv_receives, doc_workload, imbalance
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.common import zigzag_doc_shards
@@ -194,8 +194,8 @@ class _Pass(NamedTuple):
 DESCENT_STEPS = 8
 """``_descend`` moves per candidate layout (more gained nothing on the benchmark sets)."""
 DESCENDED = 2
-"""Layouts descended per request: those receiving least before descent (descending more
-gained 0.1 point of saving on the 32K code set for 14% more solve time)."""
+"""Layouts descended per request: those receiving least before descent (the others rarely
+won after descent, and descending them cost more solve time than it saved KV)."""
 SEARCH_BUDGET = 256
 """Docs x ranks up to which the heavy-first pass and ``_descend`` run (their cost grows
 with both; larger requests, with many short docs, gain least from them: about 1 point of
@@ -377,7 +377,8 @@ def flashcp_shards(
                     _finish(ranks, spill, allowed, tail_largest)
                     imb = imbalance(ranks.work)
                     if imb <= target:
-                        found.append((_descend(ranks, allowed, 0), len(found), ranks, spec.descend))
+                        found.append((max(alltoallv_receives(ranks.shards)), len(found), ranks,
+                                      spec.descend and steps > 0))
                     elif fallback is None or imb < fallback[0]:
                         fallback = (imb, ranks)
             if found:

@@ -23,7 +23,6 @@ import math
 from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
-from planner_service.core.cost import alltoallv_receives
 from planner_service.core.plan import Shard
 
 if TYPE_CHECKING:
@@ -252,8 +251,6 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
     (or the busiest rank's workload, if that is higher). Returns the most KV any rank
     then receives."""
     n = len(ranks.work)
-    if max_steps == 0:
-        return max(alltoallv_receives(ranks.shards))
     # Only docs on more than one rank move KV (a rank holding all of a doc needs none).
     owner: dict[int, int] = {}
     shared = set()
