@@ -17,9 +17,10 @@ Search for ``comm`` (``_solve_comm``): CP-SAT's LP bound on a maximum of receive
 near 0 (the LP spreads every block over all ranks), so the bound comes from smaller
 models: a relaxation (:mod:`.ilp_relax`: the docs that cannot stay whole as blocks, the
 rest as a fluid) solved to optimality, and the question "can every doc stay whole?"
-(``ilp_model.whole_doc_model``). Placements come from CP-SAT's LNS, first on the full
-model restricted to splitting only the relaxation's docs (a much smaller space), then on
-the full model; a last bisection of yes/no questions "is there a placement whose
+(``ilp_model.whole_doc_model``). Placements come from rank-group steps (:mod:`.ilp_lns`:
+the blocks of the rank receiving most and one or two partners re-placed exactly by a
+small model, the other ranks fixed), then from CP-SAT's LNS on the full model; a last
+bisection of yes/no questions "is there a placement whose
 critical-path KV is at most v?" (hard constraint, strong propagation) raises the bound.
 
 Greedy first, exact second: the flashcp plan is the solution hint and the fallback when
@@ -55,6 +56,7 @@ from planner_service.solvers.ilp_blocks import (
     layout_cuts,
     place_blocks,
 )
+from planner_service.solvers.ilp_lns import GroupModel, Step, descend
 from planner_service.solvers.ilp_model import (
     OBJECTIVES,
     BlockModel,
@@ -77,16 +79,20 @@ MAX_WORKERS = 16
 MAX_MODEL_BOOLS = 50_000
 """Blocks x ranks above this are refused (raise the granularity) rather than solved."""
 WALL_GUARD = 2.0
-RELAX_SHARE = 0.3
+GROUP_SHARE = 0.4
+"""The rank-group search from the hint runs until this share of the limit is spent."""
+RELAX_SHARE = 0.4
 """Most of the time limit the comm objective spends on its relaxation's bound."""
 ZERO_SHARE = 0.15
 """Most of the time limit the question "can every doc stay whole?" may take."""
-RESTRICT_SHARE = 0.6
-"""The restricted search (fluid docs whole) runs until this share of the limit is spent."""
+SEARCH_SHARE = 0.8
+"""The rank-group search resumes after the bound until this share of the limit is spent."""
 BISECT_SHARE = 0.1
 """The share of the limit left to ``_bisect`` questions after the full optimisation."""
 PROBE_SHARE = 0.06
 """Most of the time limit any one yes/no question may take."""
+GROUP_STEP_SHARE = 0.01
+"""The first limit of one rank-group step (``ilp_lns.descend`` doubles it when stuck)."""
 MAX_UNDECIDED = 2
 """``_bisect`` stops after this many undecided questions in a row."""
 # Full-problem subsolvers whose interleaved chunks overrun their deterministic budget
@@ -317,9 +323,12 @@ class _Subproblems(NamedTuple):
     relaxation: Callable[[list[int] | None], BlockModel]
     """The relaxation of :mod:`.ilp_relax`, hinted with a placement of its blocks if given."""
     relaxed_value: Callable[[list[int]], int]
+    relaxed_ranks: Callable[[list[int]], list[int]]
+    """The placement of the relaxation's blocks in a placement of the full model's."""
     """The critical-path KV of a placement of the relaxation's blocks."""
-    fluid_whole: Callable[[BlockModel], None]
-    """Restricts a full model: every fluid doc the hint holds whole stays whole."""
+    group_search: Callable[[_Search, float, float], _Search]
+    """Improves the incumbent by ``ilp_lns.descend`` until the given deterministic second
+    of the limit."""
     whole_docs: Callable[[float], _Solve]
     """Asks, within the given deterministic seconds, whether every doc can stay whole
     (``ilp_model.whole_doc_model``); a YES comes as a placement of the full model's blocks."""
@@ -327,13 +336,13 @@ class _Subproblems(NamedTuple):
 
 def _relaxed_bound(build: Callable[[list[int] | None], BlockModel],
                    value_of: Callable[[list[int]], int], budget: float, limit: float,
-                   workers: int) -> tuple[int, float, bool]:
+                   workers: int, hint: list[int] | None = None) -> tuple[int, float, bool]:
     """A proven lower bound on the full model's critical-path KV from the relaxation of
     :mod:`.ilp_relax`, within ``budget`` deterministic seconds: one optimisation run, then
     the question "below its value?" (usually refuted at once, and then the relaxation is
     solved), then ``_bisect``. Returns the bound, the time spent and whether it was
     deterministic."""
-    bm = build(None)
+    bm = build(hint)
     run = _run(bm, bm.comm_max, budget / 2, workers)
     if run.ranks is None:
         return run.bound, run.dtime, run.deterministic
@@ -350,22 +359,25 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
                 workers: int) -> _Solve:
     """Minimise the critical-path KV in steps within ``limit`` deterministic seconds.
 
-    1. Bound: solve the relaxation of :mod:`.ilp_relax` (the docs that cannot stay whole
-       as blocks, the rest as fluid), in ``RELAX_SHARE``; its bound holds for the full
-       model, where CP-SAT's own LP bound is near 0. If it is 0, ask whether every doc
-       can stay whole (a packing model of its own, in ``ZERO_SHARE``): YES is optimal.
-    2. Restricted search: the full model with the fluid docs held whole (those the hint
-       holds whole) and ``comm_max >= bound``, until ``RESTRICT_SHARE``: a much smaller space, where
-       CP-SAT's LNS finds good placements in seconds.
-    3. Optimise the full model from the best placement with ``comm_max >= bound``, leaving
+    1. Search: rank-group steps from the hint (:mod:`.ilp_lns`), until ``GROUP_SHARE``.
+    2. Bound: solve the relaxation of :mod:`.ilp_relax` (the docs that cannot stay whole
+       as blocks, the rest as fluid), hinted with the incumbent's blocks of those docs, in
+       ``RELAX_SHARE``; its bound holds for the full model, where CP-SAT's own LP bound is
+       near 0. If it is 0, ask whether every doc can stay whole (a packing model of its
+       own, in ``ZERO_SHARE``): YES is optimal.
+    3. Search again with rank-group steps until ``SEARCH_SHARE``, then optimise the full
+       model from the incumbent with ``comm_max >= bound`` (CP-SAT's LNS), leaving
        ``BISECT_SHARE`` of the limit.
     4. Spend the rest on ``_bisect`` questions, which raise the bound where the
        optimisation cannot.
     """
     state = _Search(hint, value_of(hint), 0, 0.0, True)
-    bound, spent, deterministic = _relaxed_bound(subs.relaxation, subs.relaxed_value,
-                                                 RELAX_SHARE * limit, limit, workers)
-    state = state._replace(bound=bound, spent=spent, deterministic=deterministic)
+    state = subs.group_search(state, GROUP_SHARE * limit, GROUP_STEP_SHARE * limit)
+    bound, spent, deterministic = _relaxed_bound(
+        subs.relaxation, subs.relaxed_value, RELAX_SHARE * limit, limit, workers,
+        subs.relaxed_ranks(state.ranks))
+    state = state._replace(bound=bound, spent=state.spent + spent,
+                           deterministic=state.deterministic and deterministic)
     if state.bound == 0 < state.value:
         run = subs.whole_docs(ZERO_SHARE * limit)
         state = state._replace(spent=state.spent + run.dtime,
@@ -374,26 +386,19 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
             state = state._replace(bound=1)
         elif run.ranks is not None:
             state = state._replace(ranks=run.ranks, value=value_of(run.ranks), found=True)
-
-    def optimise(state: _Search, restrict: bool, until: float) -> _Search:
+    if state.bound < state.value:
+        state = subs.group_search(state, SEARCH_SHARE * limit, GROUP_STEP_SHARE * limit)
+    if state.bound < state.value and (1 - BISECT_SHARE) * limit > state.spent + 1e-3:
         bm = build(state.ranks)
         bm.model.Add(bm.comm_max >= state.bound)
-        if restrict:
-            subs.fluid_whole(bm)
-        run = _run(bm, bm.comm_max, until - state.spent, workers)
-        new = state._replace(spent=state.spent + run.dtime,
-                             deterministic=state.deterministic and run.deterministic)
-        if run.ranks is None:
-            return new
-        new = new._replace(found=True)
-        if value_of(run.ranks) < new.value:
-            new = new._replace(ranks=run.ranks, value=value_of(run.ranks))
-        # A bound of the restricted model is not one of the full model.
-        return new if restrict else new._replace(bound=max(new.bound, run.bound))
-
-    for restrict, share in ((True, RESTRICT_SHARE), (False, 1 - BISECT_SHARE)):
-        if state.bound < state.value and share * limit > state.spent + 1e-3:
-            state = optimise(state, restrict, share * limit)
+        run = _run(bm, bm.comm_max, (1 - BISECT_SHARE) * limit - state.spent, workers)
+        state = state._replace(spent=state.spent + run.dtime,
+                               deterministic=state.deterministic and run.deterministic,
+                               bound=max(state.bound, run.bound))
+        if run.ranks is not None:
+            state = state._replace(found=True)
+            if value_of(run.ranks) < state.value:
+                state = state._replace(ranks=run.ranks, value=value_of(run.ranks))
     state = _bisect(state, build, value_of, limit, limit, workers)
     bound = min(state.bound, state.value)
     status = "OPTIMAL" if bound == state.value else "FEASIBLE"
@@ -403,17 +408,12 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
 
 
 def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap: int, cap: int,
-                 hint: Sequence[int]) -> _Subproblems:
+                 workers: int) -> _Subproblems:
     """The subproblems of this instance (see ``_solve_comm``)."""
     kept = must_split(doc_lengths, tokens_cap, cap)
     keep = set(kept)
     relax_blocks = sub_blocks(blocks, kept)
     fluid = [length for d, length in enumerate(doc_lengths) if d not in keep]
-    # The restriction holds whole the fluid docs the hint holds whole, so the hint stays a
-    # solution: CP-SAT 9.10 aborts the process (CHECK heuristics.fixed_search) when an
-    # interleaved multi-worker search is hinted on a model it then proves infeasible.
-    fluid_runs = [run for d, run in enumerate(blocks.doc_runs)
-                  if d not in keep and len(run) > 1 and len({hint[b] for b in run}) == 1]
 
     def relaxation_model(ranks: list[int] | None) -> BlockModel:
         bm = relaxation(relax_blocks, fluid, n, token_cap=tokens_cap, work_cap=cap)
@@ -421,14 +421,11 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
             add_hint(bm, relax_blocks, ranks, n)
         return bm
 
+    def relaxed_ranks(ranks: list[int]) -> list[int]:
+        return canonical_ranks(relax_blocks, [ranks[b] for d in kept for b in blocks.doc_runs[d]], n)
+
     def relaxed_value(ranks: list[int]) -> int:
         return max(placement_values(relax_blocks, ranks, n)[2])
-
-    def fluid_whole(bm: BlockModel) -> None:
-        for run in fluid_runs:  # every block of the doc on the rank of its first block
-            for b in run[1:]:
-                for r in range(n):
-                    bm.model.Add(bm.x[b][r] == bm.x[run[0]][r])
 
     def whole_docs(limit_s: float) -> _Solve:
         model, y = whole_doc_model(doc_lengths, n, token_cap=tokens_cap, work_cap=cap)
@@ -440,7 +437,26 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
         ranks = canonical_ranks(blocks, [rank_of[block.doc] for block in blocks.blocks], n)
         return _Solve(status, ranks, 0, 0, dtime, deterministic)
 
-    return _Subproblems(relaxation_model, relaxed_value, fluid_whole, whole_docs)
+    def group_search(state: _Search, until: float, step_limit: float) -> _Search:
+        def solve(gm: GroupModel, limit_s: float) -> Step:
+            solver, status, dtime, det = _solve_model(gm.model, limit_s, workers)
+            if status not in ("OPTIMAL", "FEASIBLE"):
+                return Step(None, dtime, det, status == "INFEASIBLE")
+            return Step([gm.group[next(j for j, v in enumerate(row) if solver.BooleanValue(v))]
+                          for row in gm.x], dtime, det, status == "OPTIMAL")
+
+        # The group model is hinted with the current placement, a solution of it (see
+        # ``_solve_comm`` on CP-SAT 9.10's abort with hints on infeasible models).
+        ranks, spent, det = descend(blocks, state.ranks, n, token_cap=tokens_cap, work_cap=cap,
+                                    budget=until - state.spent, step_limit=step_limit,
+                                    solve=solve)
+        ranks = canonical_ranks(blocks, ranks, n)
+        value = max(placement_values(blocks, ranks, n)[2])
+        state = state._replace(spent=state.spent + spent,
+                               deterministic=state.deterministic and det)
+        return state._replace(ranks=ranks, value=value, found=True) if value < state.value else state
+
+    return _Subproblems(relaxation_model, relaxed_value, relaxed_ranks, group_search, whole_docs)
 
 
 def solve_blocks(
@@ -479,7 +495,7 @@ def solve_blocks(
         if hint_ok:
             assert cap is not None
             run = _solve_comm(hint, hinted, comm_of,
-                              _subproblems(blocks, doc_lengths, n, tokens_cap, cap, hint),
+                              _subproblems(blocks, doc_lengths, n, tokens_cap, cap, options.workers),
                               options.time_limit_s, options.workers)
         else:  # flashcp misses R: no incumbent to question from, and no hint: a hint that
             # breaks the model's caps, on a model CP-SAT proves infeasible, aborts CP-SAT
