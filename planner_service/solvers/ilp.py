@@ -323,15 +323,32 @@ class _Subproblems(NamedTuple):
     relaxation: Callable[[list[int] | None], BlockModel]
     """The relaxation of :mod:`.ilp_relax`, hinted with a placement of its blocks if given."""
     relaxed_value: Callable[[list[int]], int]
+    """The critical-path KV of a placement of the relaxation's blocks."""
     relaxed_ranks: Callable[[list[int]], list[int]]
     """The placement of the relaxation's blocks in a placement of the full model's."""
-    """The critical-path KV of a placement of the relaxation's blocks."""
     group_search: Callable[[_Search, float, float], _Search]
     """Improves the incumbent by ``ilp_lns.descend`` until the given deterministic second
     of the limit."""
     whole_docs: Callable[[float], _Solve]
     """Asks, within the given deterministic seconds, whether every doc can stay whole
     (``ilp_model.whole_doc_model``); a YES comes as a placement of the full model's blocks."""
+    all_fit: bool
+    """Whether every doc fits whole on a rank (tokens and workload): only then can every
+    doc stay whole."""
+
+
+def _ask_whole(state: _Search, subs: _Subproblems, limit_s: float,
+               value_of: Callable[[list[int]], int]) -> _Search:
+    """The question "can every doc stay whole?": YES is a placement of KV 0, NO raises the
+    bound to 1."""
+    run = subs.whole_docs(limit_s)
+    state = state._replace(spent=state.spent + run.dtime,
+                           deterministic=state.deterministic and run.deterministic)
+    if run.status == "INFEASIBLE":
+        return state._replace(bound=max(state.bound, 1))
+    if run.ranks is not None:
+        return state._replace(ranks=run.ranks, value=value_of(run.ranks), found=True)
+    return state
 
 
 def _relaxed_bound(build: Callable[[list[int] | None], BlockModel],
@@ -359,12 +376,13 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
                 workers: int) -> _Solve:
     """Minimise the critical-path KV in steps within ``limit`` deterministic seconds.
 
+    0. If every doc fits whole on a rank, ask first whether every doc can stay whole (a
+       packing model of its own, in ``ZERO_SHARE``): YES is optimal (KV 0).
     1. Search: rank-group steps from the hint (:mod:`.ilp_lns`), until ``GROUP_SHARE``.
     2. Bound: solve the relaxation of :mod:`.ilp_relax` (the docs that cannot stay whole
        as blocks, the rest as fluid), hinted with the incumbent's blocks of those docs, in
        ``RELAX_SHARE``; its bound holds for the full model, where CP-SAT's own LP bound is
-       near 0. If it is 0, ask whether every doc can stay whole (a packing model of its
-       own, in ``ZERO_SHARE``): YES is optimal.
+       near 0. If it is 0 (and step 0 did not run), ask the question of step 0.
     3. Search again with rank-group steps until ``SEARCH_SHARE``, then optimise the full
        model from the incumbent with ``comm_max >= bound`` (CP-SAT's LNS), leaving
        ``BISECT_SHARE`` of the limit.
@@ -372,20 +390,18 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
        optimisation cannot.
     """
     state = _Search(hint, value_of(hint), 0, 0.0, True)
-    state = subs.group_search(state, GROUP_SHARE * limit, GROUP_STEP_SHARE * limit)
-    bound, spent, deterministic = _relaxed_bound(
-        subs.relaxation, subs.relaxed_value, RELAX_SHARE * limit, limit, workers,
-        subs.relaxed_ranks(state.ranks))
-    state = state._replace(bound=bound, spent=state.spent + spent,
-                           deterministic=state.deterministic and deterministic)
-    if state.bound == 0 < state.value:
-        run = subs.whole_docs(ZERO_SHARE * limit)
-        state = state._replace(spent=state.spent + run.dtime,
-                               deterministic=state.deterministic and run.deterministic)
-        if run.status == "INFEASIBLE":
-            state = state._replace(bound=1)
-        elif run.ranks is not None:
-            state = state._replace(ranks=run.ranks, value=value_of(run.ranks), found=True)
+    asked = subs.all_fit and state.value > 0
+    if asked:  # cheap, and a YES ends the search
+        state = _ask_whole(state, subs, ZERO_SHARE * limit, value_of)
+    if state.bound < state.value:
+        state = subs.group_search(state, GROUP_SHARE * limit, GROUP_STEP_SHARE * limit)
+        bound, spent, deterministic = _relaxed_bound(
+            subs.relaxation, subs.relaxed_value, RELAX_SHARE * limit, limit, workers,
+            subs.relaxed_ranks(state.ranks))
+        state = state._replace(bound=max(state.bound, bound), spent=state.spent + spent,
+                               deterministic=state.deterministic and deterministic)
+    if state.bound == 0 < state.value and not asked:
+        state = _ask_whole(state, subs, ZERO_SHARE * limit, value_of)
     if state.bound < state.value:
         state = subs.group_search(state, SEARCH_SHARE * limit, GROUP_STEP_SHARE * limit)
     if state.bound < state.value and (1 - BISECT_SHARE) * limit > state.spent + 1e-3:
@@ -456,7 +472,9 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
                                deterministic=state.deterministic and det)
         return state._replace(ranks=ranks, value=value, found=True) if value < state.value else state
 
-    return _Subproblems(relaxation_model, relaxed_value, relaxed_ranks, group_search, whole_docs)
+    all_fit = all(length <= tokens_cap and doc_workload(length) <= cap for length in doc_lengths)
+    return _Subproblems(relaxation_model, relaxed_value, relaxed_ranks, group_search, whole_docs,
+                        all_fit)
 
 
 def solve_blocks(

@@ -120,11 +120,11 @@ def group_model(blocks: Blocks, ranks: Sequence[int], num_ranks: int, group: Seq
                       for i, b in enumerate(free)) <= work_cap)
         model.Add(recv[j] == sum(doc_recv[j]))
         model.Add(gmax >= recv[j])
-    # The group's ranks are interchangeable: number them in order of first use by the
-    # free blocks.
-    for i in range(len(free)):
-        for j in range(1, k):
-            model.AddBoolOr([x[i][j].Not(), *(x[p][j - 1] for p in range(i))])
+    # The group's ranks are interchangeable: the i-th free block is on one of the first
+    # i + 1 (ranks are numbered in order of first use, so the hint obeys this).
+    for i in range(min(len(free), k - 1)):
+        for j in range(i + 1, k):
+            model.Add(x[i][j] == 0)
 
     # --- Objective: the group's largest receive, then its total -------------------------
     model.Minimize((k * total + 1) * gmax + sum(recv))
