@@ -50,7 +50,7 @@ def group_model(blocks: Blocks, ranks: Sequence[int], num_ranks: int, group: Seq
     free = [b for b, r in enumerate(ranks) if r in group]
     # Group ranks in order of first use by the free blocks (the hint then obeys the
     # symmetry breaking below); ranks holding nothing last.
-    first = {}
+    first: dict[int, int] = {}
     for b in free:
         first.setdefault(ranks[b], len(first))
     group = sorted(group, key=lambda r: (first.get(r, len(first)), r))
@@ -63,7 +63,8 @@ def group_model(blocks: Blocks, ranks: Sequence[int], num_ranks: int, group: Seq
     # --- Variables --------------------------------------------------------------------
     # x[i][j] = 1 iff free block free[i] goes to group rank j.
     x = [[model.NewBoolVar(f"x_b{b}_g{j}") for j in range(k)] for b in free]
-    # recv[j]: KV tokens group rank j receives; gmax: the largest of them.
+    # need (per block of a doc the group holds, per group rank) and doc_recv[j]: the KV of
+    # each such doc that group rank j receives, as in ``ilp_model.build_model``.
     doc_recv: list[list[cp_model.IntVar]] = [[] for _ in range(k)]
     for run in blocks.doc_runs:
         held = [b for b in run if b in index]
@@ -106,6 +107,7 @@ def group_model(blocks: Blocks, ranks: Sequence[int], num_ranks: int, group: Seq
                 if lack > 0:
                     model.Add(recv_d >= lack * x[index[b]][j])
             doc_recv[j].append(recv_d)
+    # recv[j]: KV tokens group rank j receives; gmax: the largest of them.
     recv = [model.NewIntVar(0, total, f"recv_g{j}") for j in range(k)]
     gmax = model.NewIntVar(0, total, "group_max")
 
