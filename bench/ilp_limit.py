@@ -5,6 +5,11 @@
 Sequences are numbered as in ``bench.ilp_compare``'s log (1-based, same packing and
 seed), so the ones with the largest gaps there can be looked at with a longer limit: if
 the value falls, the search is the weaker side; if the bound rises, the bound is.
+
+``--repeat R`` solves every (sequence, limit) R times and reports whether all R plans were
+the same byte for byte (the determinism the ILP promises):
+
+    python -m bench.ilp_limit --dataset code --sequences 50 --limits 60 --repeat 3
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ def main() -> None:
     parser.add_argument("--limits", default="10,60", help="deterministic seconds (capped at 60)")
     parser.add_argument("--imbalance-target", type=float, default=1.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1, help="solves per (sequence, limit)")
     args = parser.parse_args()
 
     picked = [int(x) for x in args.sequences.split(",")]
@@ -32,19 +38,21 @@ def main() -> None:
                                num_sequences=max(picked), seed=args.seed)
     print(f"{args.dataset}, N = {args.cp}, C = {args.context}, R = {args.imbalance_target}, "
           "ILP blocks 2048, 2 workers\n")
-    print("| sequence | limit s | value | bound | gap | status | deterministic | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| sequence | limit s | value | bound | gap | status | deterministic | wall s | same plan |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k in picked:
         for limit in (float(x) for x in args.limits.split(",")):
             request = PlanRequest(doc_lengths=tuple(sequences[k - 1]), cp_size=args.cp,
                                   context_length=args.context,
                                   imbalance_target=args.imbalance_target, strategy="ilp",
                                   options={"time_limit_s": limit, "granularity": 2048, "workers": 2})
-            plan, ms = timed_solve(request, check=False)
+            solves = [timed_solve(request, check=False) for _ in range(args.repeat)]
+            plan, ms = solves[0]
+            same = len({p.to_json() for p, _ in solves}) == 1
             info = plan.info
             print(f"| {k} | {info['time_limit_s']:g} | {info['objective_value']} | {info['best_bound']} | "
-                  f"{info['gap']:.3f} | {info['status']} | {info['deterministic']} | {ms / 1e3:.1f} |",
-                  flush=True)
+                  f"{info['gap']:.3f} | {info['status']} | {info['deterministic']} | {ms / 1e3:.1f} | "
+                  f"{f'{same} ({args.repeat} solves)' if args.repeat > 1 else '-'} |", flush=True)
 
 
 if __name__ == "__main__":
