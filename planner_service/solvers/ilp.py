@@ -238,12 +238,17 @@ def _run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, workers
     if status not in ("OPTIMAL", "FEASIBLE"):
         bound = int(math.ceil(solver.BestObjectiveBound())) if status == "UNKNOWN" else 0
         return _Solve(status, None, 0, max(bound, 0), dtime, deterministic)
-    ranks = [next(r for r, v in enumerate(row) if solver.BooleanValue(v)) for row in bm.x]
+    ranks = _chosen(solver, bm.x)
     if target is None:
         return _Solve(status, ranks, 0, 0, dtime, deterministic)
     value = int(round(solver.ObjectiveValue()))
     bound = int(math.ceil(solver.BestObjectiveBound() - 1e-6))
     return _Solve(status, ranks, value, min(bound, value), dtime, deterministic)
+
+
+def _chosen(solver: cp_model.CpSolver, rows: Sequence[Sequence[cp_model.IntVar]]) -> list[int]:
+    """Per row of exactly-one booleans, the index of the one that is true."""
+    return [next(i for i, v in enumerate(row) if solver.BooleanValue(v)) for row in rows]
 
 
 def _solve_model(model: cp_model.CpModel, limit_s: float,
@@ -449,7 +454,7 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
         solver, status, dtime, deterministic = _solve_model(model, limit_s, 1)
         if status not in ("OPTIMAL", "FEASIBLE"):
             return _Solve(status, None, 0, 0, dtime, deterministic)
-        rank_of = [next(r for r, v in enumerate(row) if solver.BooleanValue(v)) for row in y]
+        rank_of = _chosen(solver, y)
         ranks = canonical_ranks(blocks, [rank_of[block.doc] for block in blocks.blocks], n)
         return _Solve(status, ranks, 0, 0, dtime, deterministic)
 
@@ -458,11 +463,12 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
             solver, status, dtime, det = _solve_model(gm.model, limit_s, workers)
             if status not in ("OPTIMAL", "FEASIBLE"):
                 return Step(None, dtime, det, status == "INFEASIBLE")
-            return Step([gm.group[next(j for j, v in enumerate(row) if solver.BooleanValue(v))]
-                          for row in gm.x], dtime, det, status == "OPTIMAL")
+            return Step([gm.group[j] for j in _chosen(solver, gm.x)], dtime, det,
+                        status == "OPTIMAL")
 
-        # The group model is hinted with the current placement, a solution of it (see
-        # ``_solve_comm`` on CP-SAT 9.10's abort with hints on infeasible models).
+        # The group model is hinted with the current placement, a solution of it: CP-SAT
+        # 9.10 aborts the process when its interleaved search is hinted on a model it then
+        # proves infeasible.
         ranks, spent, det = descend(blocks, state.ranks, n, token_cap=tokens_cap, work_cap=cap,
                                     budget=until - state.spent, step_limit=step_limit,
                                     solve=solve)
