@@ -15,7 +15,11 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
      keeps it within R x mean;
    - a doc that no rank can take within R x mean is zigzagged (Per-Doc sharding) over the
      fewest lagging ranks, not all N: equal shares, and each rank needs only the prefix
-     up to its later chunk, so fewer ranks means less KV to move;
+     up to its later chunk, so fewer ranks means less KV to move; the outer chunk pair
+     (the most KV) goes to the rank that needs least so far. In the nested pass such a
+     doc is cut instead into nested pairs of unequal chunks sized so that no rank needs
+     much more KV than the others (``flashcp_nested``: the shape of the exact ILP's
+     placements of such docs);
    - docs that are light enough but fit no rank's room are split over the free room at
      the end (the fewest, roomiest ranks), pieces ordered for balance or for less KV;
    - if the result misses R, ``_exchange`` rebalances without changing any token count:
@@ -28,11 +32,12 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
    The passes (``_passes``): docs longest first, finished with the spill for balance and,
    on small requests, also with the spill for less KV; and, when some docs must be split
    and others are heavy but fit whole, the heavy docs first, so the must-split docs are
-   cut into the room left rather than splitting a heavy doc too. ``_descend`` then trades
-   positions of shared docs (for the same doc's, or for a doc held whole) to lower the
-   most KV any rank receives, within R (on requests with many docs, within part of R's
-   slack: ``DESCENT_SLACK``), on the ``DESCENDED`` layouts that receive least before it,
-   and the layout with the least KV on the critical path wins. Large requests (many docs
+   cut into the room left rather than splitting a heavy doc too; and, on small requests
+   with a doc that must be split, the nested pass (fill-aware, spill for less KV).
+   ``_descend`` then trades positions of shared docs (for the same doc's, or for a doc
+   held whole) to lower the most KV any rank receives, within R (on requests with many
+   docs, within part of R's slack: ``DESCENT_SLACK``), on the ``DESCENDED`` layout that
+   receives least before it, and the layout with the least KV on the critical path wins. Large requests (many docs
    x ranks) skip the extra passes and the descent, so every batch plans in under 1 ms.
 
 2. If no pass meets R, Algorithm 1 as published (lines 4-24): try k = 0, 1, 2, ... of
@@ -61,6 +66,7 @@ from planner_service.core.cost import alltoallv_receives, doc_workload, imbalanc
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.common import zigzag_doc_shards
+from planner_service.solvers.flashcp_nested import nested_zigzag
 from planner_service.solvers.flashcp_refine import _crossing as _crossing  # re-export (tests)
 from planner_service.solvers.flashcp_refine import _descend, _exchange
 
@@ -86,6 +92,16 @@ class _Ranks:
         other.tokens = list(self.tokens)
         other.work = list(self.work)
         return other
+
+    def need(self, rank: int) -> int:
+        """KV the rank needs so far: per doc, the prefix up to its last shard's end minus
+        what it holds."""
+        ends: dict[int, int] = {}
+        held = 0
+        for doc, start, end in self.shards[rank]:
+            ends[doc] = max(ends.get(doc, 0), end)
+            held += end - start
+        return sum(ends.values()) - held
 
     def add(self, rank: int, doc: int, start: int, end: int) -> None:
         self.shards[rank].append(_new_shard(Shard, (doc, start, end)))
@@ -189,13 +205,17 @@ class _Pass(NamedTuple):
     KV) or balance workload (False)."""
     descend: bool = True
     """Run ``_descend`` on the finished layouts (else only measure their receive)."""
+    nested: bool = False
+    """Cut the docs no rank can hold whole by ``nested_zigzag`` (equal zigzag if it finds
+    no cut)."""
 
 
 DESCENT_STEPS = 8
 """``_descend`` moves per candidate layout (more gained nothing on the benchmark sets)."""
-DESCENDED = 2
-"""Layouts descended per request: those receiving least before descent (the others rarely
-won after descent, and descending them cost more solve time than it saved KV)."""
+DESCENDED = 1
+"""Layouts descended per request: the one receiving least before descent (a second one
+gained 0.2-0.6 points of saving on the 32K sets at N = 4 but cost 0.1 ms of the code
+set's median solve, which the nested pass needs; bench/ilp_compare.py)."""
 SEARCH_BUDGET = 256
 """Docs x ranks up to which the heavy-first pass and ``_descend`` run (their cost grows
 with both; larger requests, with many short docs, gain least from them: about 1 point of
@@ -212,6 +232,8 @@ the docs that must be split, and the slack buys most there: half a point of savi
 SPILL_BUDGET = 48
 """Docs x ranks up to which the longest-first layout is also finished with the spill for
 less KV (keeps large batches well under a millisecond)."""
+NESTED_BUDGET = 64
+"""Docs x ranks up to which the nested pass runs when some doc must be split."""
 HEAVY = 0.25
 """A doc that fits a rank whole and weighs more than HEAVY x the allowed max workload is
 placed before the docs that must be split in the heavy-first order."""
@@ -225,7 +247,9 @@ def _passes(
     The longest-first order's layout is finished both ways (spill for balance, spill for
     less KV) on small requests (docs x ranks within ``SPILL_BUDGET``), where the second
     gains most; large ones finish it for balance only. The heavy-first pass runs within
-    ``SEARCH_BUDGET``.
+    ``SEARCH_BUDGET``; the nested pass (longest first, must-split docs by
+    ``nested_zigzag``) within ``NESTED_BUDGET`` when some doc must be split (few docs:
+    there the KV is in the split docs, and equal zigzag chunks cost most).
 
     The heavy-first order places the heavy docs that fit a rank whole before the docs no
     rank can hold (longer than the rank's T tokens or heavier than ``allowed``), so those
@@ -245,6 +269,8 @@ def _passes(
             heavy += 1
         else:
             break
+    if must and len(order) * n <= NESTED_BUDGET:
+        first.append(_Pass(order, True, (True,), nested=True))
     if 0 < must < heavy and len(order) * n <= SEARCH_BUDGET:
         # Not descended: it shares little beyond the zigzagged must-split docs, and descent
         # gained nothing on it in the benchmark sets (bench/ilp_compare.py).
@@ -254,7 +280,7 @@ def _passes(
 
 def _place(
     doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, fill_aware: bool,
-    total_work: int,
+    total_work: int, nested: bool = False,
 ) -> tuple[_Ranks, list[tuple[int, int]]]:
     """Step 1 of the module docstring up to the spill: the layout so far and the docs left
     to split for tokens (``total_work``: the docs' total workload)."""
@@ -288,6 +314,8 @@ def _place(
         if min(work) + doc_work <= allowed:
             spill.append((doc, length))  # light enough but no room: split for tokens
             continue
+        if nested and nested_zigzag(ranks, doc, length, allowed, density):
+            continue
         by_lag = sorted(range(n), key=lambda r: (work[r] - tokens[r] * density, r))
         fill = density if fill_aware else 0.0
         chosen = None
@@ -302,6 +330,8 @@ def _place(
         if chosen is None:
             spill.append((doc, length))  # no m ranks have room for shares: split for tokens
             continue
+        # The outer chunk pair (most KV: the prefix up to the top) to the rank needing least.
+        chosen.sort(key=ranks.need)
         _zigzag(ranks, chosen, doc, length)
     return ranks, spill
 
@@ -369,7 +399,7 @@ def flashcp_shards(
             found: list[tuple[int, int, _Ranks, bool]] = []  # (receive, index, layout, descend)
             for spec in passes:
                 placed, spill = _place(doc_lengths, spec.order, n, allowed, spec.fill_aware,
-                                       total_work)
+                                       total_work, spec.nested)
                 # Without docs to spill, the spill orders give the same layout: finish one.
                 spills = spec.spills if spill else spec.spills[:1]
                 for i, tail_largest in enumerate(spills):

@@ -1,0 +1,148 @@
+"""Nested zigzag: a doc no rank can hold whole, cut for the least KV on the critical path.
+
+FlashCP's Per-Doc zigzag (``flashcp._zigzag``) cuts such a doc into 2m equal chunks,
+chunk i and 2m-1-i on the i-th of m ranks: equal workloads, but the rank holding the
+outermost pair needs the doc's prefix up to the top minus its two chunks, (m-1)/m of the
+doc. The exact ILP's placements of such docs (bench/results/ilp_compare.md) are nested
+pairs of *unequal* chunks instead: the outer rank holds a long cheap low chunk and a short
+top chunk, the next rank the pair inside them, and so on, with the chunk sizes set so that
+no rank needs much more KV than the others.
+
+Roles i = 0 .. m-1 hold a low chunk [l_i, l_{i+1}) and a high chunk [h_{i+1}, h_i) with
+l_0 = 0, h_0 = L, l_m = h_m. A role holding k_i tokens of its span [l_i, h_i) needs the
+KV of the doc's prefix up to h_i minus what it holds:
+
+    need_i = h_i - k_i = l_i + (h_{i+1} - l_{i+1})
+
+Given a bound D on what any of the m ranks may then need (its need so far plus need_i),
+roles are filled outside in: role i takes k_i tokens, at least what keeps need_i within D,
+at most its token room and the most its workload budget can hold (all in its low chunk,
+the cheapest place), and its low chunk is as short as the budget allows (a short low chunk
+keeps l_{i+1}, the next roles' need, small). Two choices of k_i are tried depth first, the
+most (least span left for the inner roles) and the fewest (least work, so the shortest low
+chunk); the last role takes the whole span left. A binary search over D and a loop over m
+keep the least D found. The budget counts that the room a role leaves will be filled later
+at ``density`` (work per token of the docs not yet placed), as ``flashcp._ends`` does.
+
+The two-choice search is a heuristic: a D it proves feasible is met, but the binary search
+may miss a smaller feasible D (feasibility is not monotone in D under the two choices).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # Type only: flashcp imports this module at run time.
+    from planner_service.solvers.flashcp import _Ranks
+
+STEPS = 128
+"""The bound is searched to within length / STEPS tokens (about 7 halvings, not 15)."""
+
+Chunks = list[tuple[tuple[int, int], tuple[int, int]]]
+"""Per role: ((low start, low end), (high start, high end)); empty chunks have start == end."""
+
+
+class Role:
+    """One rank's limits for the doc: token room, workload budget (work of the doc's tokens
+    minus ``density`` x their count), and the KV it already needs."""
+
+    __slots__ = ("room", "budget", "need")
+
+    def __init__(self, room: int, budget: float, need: int) -> None:
+        self.room, self.budget, self.need = room, budget, need
+
+
+def nested_chunks(length: int, roles: Sequence[Role], bound: int, density: float) -> Chunks | None:
+    """Chunks of a doc of ``length`` tokens over ``roles`` (outermost first) such that every
+    role's need so far plus its need of the doc is at most ``bound``, within every role's
+    room and budget; None if the two-choice search finds none (module docstring)."""
+    return _fill(0, length, roles, 0, bound, density)
+
+
+def _fill(low: int, high: int, roles: Sequence[Role], i: int, bound: int, density: float) -> Chunks | None:
+    """Roles i.. take the span [low, high) (depth first over the two choices of k)."""
+    if high <= low:
+        return []
+    if i == len(roles):
+        return None
+    role = roles[i]
+    span = high - low
+    fewest = span - (bound - role.need - low)  # need_i = low + span - k <= bound - need
+    most = min(role.room, span)
+    if i == len(roles) - 1:
+        choices = [span] if most == span and fewest <= span else []
+    else:
+        if role.budget < 0:
+            return None
+        # The most tokens whose cheapest placement, all low ([low, low + k)), fits the
+        # budget: k (2 low + k + 1) / 2 - density k <= budget.
+        b = 2 * low + 1 - 2 * density
+        most = min(most, int((-b + math.sqrt(b * b + 8 * role.budget)) / 2))
+        fewest = max(0, fewest)
+        if fewest > most:
+            return None
+        choices = [most] if fewest == most else [most, fewest]
+    for k in choices:
+        gap = span - k  # what the inner roles take: need_i = low + gap
+        # Work of a low chunk of a tokens and a high chunk of k - a ending at ``high``:
+        # k (2 high - k + 1) / 2 - a x gap; the least a within the budget.
+        work = k * (2 * high - k + 1) / 2 - density * k
+        if work <= role.budget:
+            a = 0 if gap else k
+        elif gap:
+            a = math.ceil((work - role.budget) / gap)
+            if a > k:
+                continue
+        else:
+            continue
+        inner = _fill(low + a, high - (k - a), roles, i + 1, bound, density)
+        if inner is not None:
+            return [((low, low + a), (high - (k - a), high)), *inner]
+    return None
+
+
+def nested_zigzag(ranks: _Ranks, doc: int, length: int, allowed: float, density: float) -> bool:
+    """Place the doc by the least-D nested chunks over m = 2 .. N ranks (the roomiest first,
+    then those needing least); False (nothing placed) if no m has a solution."""
+    n = len(ranks.work)
+    cap = ranks.capacity
+    needs = [ranks.need(r) for r in range(n)]
+    order = sorted(range(n), key=lambda r: (ranks.tokens[r], needs[r], r))
+    best: tuple[int, list[int], Chunks] | None = None
+    step = max(1, length // STEPS)
+    for m in range(2, n + 1):
+        chosen = order[:m]
+        roles = [Role(cap - ranks.tokens[r],
+                      allowed - ranks.work[r] - (cap - ranks.tokens[r]) * density, needs[r])
+                 for r in chosen]
+        # The least bound this m meets, to within ``step`` tokens and ``step`` below the
+        # best so far (binary search; the outermost role needs at least L - room).
+        # The loosest bound is tried first: most m either fail outright or cannot beat it.
+        lo = max(0, needs[chosen[0]] + length - roles[0].room)
+        hi = length + max(needs) if best is None else best[0] - step
+        chunks = nested_chunks(length, roles, hi, density) if lo <= hi else None
+        if chunks is None:
+            continue
+        found = (hi, chunks)
+        hi -= step
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            chunks = nested_chunks(length, roles, mid, density)
+            if chunks is None:
+                lo = mid + 1
+            else:
+                found, hi = (mid, chunks), mid - step
+        if found is not None:
+            best = (found[0], chosen, found[1])
+    if best is None:
+        return False
+    _, chosen, chunks = best
+    for rank, ((a, b), (c, d)) in zip(chosen, chunks, strict=False):  # inner roles may be unused
+        if b > a:
+            ranks.add(rank, doc, a, b)
+        if d > c:
+            ranks.add(rank, doc, c, d)
+    return True
