@@ -119,8 +119,10 @@ def nested_zigzag(ranks: _Ranks, doc: int, length: int, allowed: float, density:
                       allowed - ranks.work[r] - (cap - ranks.tokens[r]) * density, needs[r])
                  for r in chosen]
         # The least bound this m meets, to within ``step`` tokens and ``step`` below the
-        # best so far (binary search; the outermost role needs at least L - room).
-        # The loosest bound is tried first: most m either fail outright or cannot beat it.
+        # best so far (binary search). The loosest bound is tried first: most m either
+        # fail outright or cannot beat it. The floor is what the outermost role needs if it
+        # holds the top and fills its room with the doc (a heuristic floor: a role with a
+        # smaller need so far could hold the top instead).
         lo = max(0, needs[chosen[0]] + length - roles[0].room)
         hi = length + max(needs) if best is None else best[0] - step
         chunks = nested_chunks(length, roles, hi, density) if lo <= hi else None
@@ -135,8 +137,7 @@ def nested_zigzag(ranks: _Ranks, doc: int, length: int, allowed: float, density:
                 lo = mid + 1
             else:
                 found, hi = (mid, chunks), mid - step
-        if found is not None:
-            best = (found[0], chosen, found[1])
+        best = (found[0], chosen, found[1])
     if best is None:
         return False
     _, chosen, chunks = best
