@@ -5,7 +5,6 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner_service.core.cost import alltoallv_receives
 from planner_service.core.plan import Shard
 from planner_service.solvers import flashcp
 from planner_service.solvers.flashcp_nested import Role, nested_chunks, nested_zigzag
@@ -50,19 +49,6 @@ def test_nested_chunks_meet_a_bound_the_equal_zigzag_misses():
     chunks = nested_chunks(1200, roles, 700, 0.0)
     assert chunks is not None
     assert max(need({p for a, b in pair for p in range(a, b)}) for pair in chunks) <= 700
-
-
-@settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.data())
-def test_rank_need_equals_the_receive_cost_reports(data):
-    n = data.draw(st.integers(1, 4))
-    ranks = flashcp._Ranks(n, 10**6)
-    for doc in range(data.draw(st.integers(1, 5))):
-        length = data.draw(st.integers(1, 60))
-        cuts = sorted(set(data.draw(st.lists(st.integers(1, length - 1), max_size=4)) if length > 1 else []))
-        for start, end in zip([0, *cuts], [*cuts, length], strict=True):
-            ranks.add(data.draw(st.integers(0, n - 1)), doc, start, end)
-    assert [ranks.need(r) for r in range(n)] == alltoallv_receives(ranks.shards)
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)

@@ -93,16 +93,6 @@ class _Ranks:
         other.work = list(self.work)
         return other
 
-    def need(self, rank: int) -> int:
-        """KV the rank needs so far: per doc, the prefix up to its last shard's end minus
-        what it holds."""
-        ends: dict[int, int] = {}
-        held = 0
-        for doc, start, end in self.shards[rank]:
-            ends[doc] = max(ends.get(doc, 0), end)
-            held += end - start
-        return sum(ends.values()) - held
-
     def add(self, rank: int, doc: int, start: int, end: int) -> None:
         self.shards[rank].append(_new_shard(Shard, (doc, start, end)))
         self.tokens[rank] += end - start
@@ -331,7 +321,8 @@ def _place(
             spill.append((doc, length))  # no m ranks have room for shares: split for tokens
             continue
         # The outer chunk pair (most KV: the prefix up to the top) to the rank needing least.
-        chosen.sort(key=ranks.need)
+        needs = alltoallv_receives(ranks.shards)
+        chosen.sort(key=needs.__getitem__)
         _zigzag(ranks, chosen, doc, length)
     return ranks, spill
 

@@ -34,6 +34,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from planner_service.core.cost import alltoallv_receives
+
 if TYPE_CHECKING:
     # Type only: flashcp imports this module at run time.
     from planner_service.solvers.flashcp import _Ranks
@@ -109,7 +111,7 @@ def nested_zigzag(ranks: _Ranks, doc: int, length: int, allowed: float, density:
     then those needing least); False (nothing placed) if no m has a solution."""
     n = len(ranks.work)
     cap = ranks.capacity
-    needs = [ranks.need(r) for r in range(n)]
+    needs = alltoallv_receives(ranks.shards)  # KV each rank needs so far
     order = sorted(range(n), key=lambda r: (ranks.tokens[r], needs[r], r))
     best: tuple[int, list[int], Chunks] | None = None
     step = max(1, length // STEPS)
