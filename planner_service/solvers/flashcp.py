@@ -204,8 +204,8 @@ DESCENT_STEPS = 8
 """``_descend`` moves per candidate layout (more gained nothing on the benchmark sets)."""
 DESCENDED = 1
 """Layouts descended per request: the one receiving least before descent (a second one
-gained 0.2-0.6 points of saving on the 32K sets at N = 4 but cost 0.1 ms of the code
-set's median solve, which the nested pass needs; bench/ilp_compare.py)."""
+gained 0.2-0.4 points of saving on the 32K sets at N = 4 but cost about 0.1 ms of the
+code set's median solve, which the nested pass needs)."""
 SEARCH_BUDGET = 256
 """Docs x ranks up to which the heavy-first pass and ``_descend`` run (their cost grows
 with both; larger requests, with many short docs, gain least from them: about 1 point of
