@@ -37,8 +37,9 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
    ``_descend`` then trades positions of shared docs (for the same doc's, or for a doc
    held whole) to lower the most KV any rank receives, within R (on requests with many
    docs, within part of R's slack: ``DESCENT_SLACK``), on the ``DESCENDED`` layout that
-   receives least before it, and the layout with the least KV on the critical path wins. Large requests (many docs
-   x ranks) skip the extra passes and the descent, so every batch plans in under 1 ms.
+   receives least before it, and the layout with the least KV on the critical path wins.
+   Large requests (many docs x ranks) skip the extra passes and the descent, so every
+   batch plans in under 1 ms.
 
 2. If no pass meets R, Algorithm 1 as published (lines 4-24): try k = 0, 1, 2, ... of
    the longest docs under Per-Doc sharding over all N ranks, place the rest by Whole-Doc

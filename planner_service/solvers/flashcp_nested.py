@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from planner_service.core.cost import alltoallv_receives
 
@@ -47,14 +47,15 @@ Chunks = list[tuple[tuple[int, int], tuple[int, int]]]
 """Per role: ((low start, low end), (high start, high end)); empty chunks have start == end."""
 
 
-class Role:
-    """One rank's limits for the doc: token room, workload budget (work of the doc's tokens
-    minus ``density`` x their count), and the KV it already needs."""
+class Role(NamedTuple):
+    """One rank's limits for the doc."""
 
-    __slots__ = ("room", "budget", "need")
-
-    def __init__(self, room: int, budget: float, need: int) -> None:
-        self.room, self.budget, self.need = room, budget, need
+    room: int
+    """Tokens it may still take."""
+    budget: float
+    """Most work of the doc's tokens it may take, minus ``density`` x their count."""
+    need: int
+    """KV it needs so far (before this doc)."""
 
 
 def nested_chunks(length: int, roles: Sequence[Role], bound: int, density: float) -> Chunks | None:
