@@ -60,6 +60,7 @@ def test_sigkill_and_restart_during_a_multi_rank_training_loop():
             with PlanClient(url, cp_size=8, job=JOB, timeout_s=DEADLINE_S,
                             request_timeout_s=2.0) as client:
                 client.prefetch(0, lengths_of(0))
+                barrier.wait()  # set-up done: batch 0 was asked for ahead, like any other
                 for step in range(STEPS):
                     client.prefetch(step + 1, lengths_of(step + 1))
                     start = time.monotonic()
@@ -77,6 +78,19 @@ def test_sigkill_and_restart_during_a_multi_rank_training_loop():
         t.start()
     pre_crash: dict[str, str] = {}
     try:
+        # Batch 0 gets the lead every later batch has (prefetched a step ahead): the loop
+        # starts once the service has planned it. Without this, step 0 alone had to be
+        # planned within the deadline from a cold start, and on a loaded machine it fell
+        # back (a fallback the crash did not cause).
+        with httpx.Client(base_url=url, timeout=30) as c:
+            until = time.monotonic() + 30
+            while True:  # 404 until a rank's prefetch (a background PUT) has arrived
+                r = c.get(f"/v1/jobs/{JOB}/batches/0", params={"wait_ms": 1000})
+                if r.status_code == 200 or time.monotonic() > until:
+                    break
+                time.sleep(0.05)
+            assert r.status_code == 200, r.status_code
+        barrier.wait()
         for step in range(STEPS):
             if step == CRASH_AT:
                 # A batch submitted straight before the crash, outside the loop.
