@@ -16,7 +16,8 @@ Objectives (option ``objective``):
 Search for ``comm`` (``_solve_comm``): CP-SAT's LP bound on a maximum of received KV is
 near 0 (the LP spreads every block over all ranks), so the bound comes from smaller
 models: a relaxation (:mod:`.ilp_relax`: the docs that cannot stay whole as blocks, the
-rest as a fluid) solved to optimality, and the question "can every doc stay whole?"
+rest as a fluid of token positions, then of blocks) solved to optimality where the time
+allows, and the question "can every doc stay whole?"
 (``ilp_model.whole_doc_model``). Placements come from rank-group steps (:mod:`.ilp_lns`:
 the blocks of the rank receiving most and one or two partners re-placed exactly by a
 small model, the other ranks fixed), then from CP-SAT's LNS on the full model; a last
@@ -66,7 +67,7 @@ from planner_service.solvers.ilp_model import (
     placement_values,
     whole_doc_model,
 )
-from planner_service.solvers.ilp_relax import must_split, relaxation, sub_blocks
+from planner_service.solvers.ilp_relax import GRAINS, must_split, relaxation, sub_blocks
 from planner_service.solvers.registry import Strategy, register
 
 DEFAULT_GRANULARITY = 2048
@@ -325,8 +326,9 @@ def _bisect(state: _Search, build: Callable[[list[int]], BlockModel],
 class _Subproblems(NamedTuple):
     """The smaller models the comm search solves besides the full one (``_solve_comm``)."""
 
-    relaxation: Callable[[list[int] | None], BlockModel]
-    """The relaxation of :mod:`.ilp_relax`, hinted with a placement of its blocks if given."""
+    relaxation: Callable[[list[int] | None, str, int], BlockModel]
+    """The relaxation of :mod:`.ilp_relax` with the fluid of a grain (``GRAINS``) and a floor
+    on its critical-path KV, hinted with a placement of its blocks if given."""
     relaxed_value: Callable[[list[int]], int]
     """The critical-path KV of a placement of the relaxation's blocks."""
     relaxed_ranks: Callable[[list[int]], list[int]]
@@ -356,14 +358,35 @@ def _ask_whole(state: _Search, subs: _Subproblems, limit_s: float,
     return state
 
 
-def _relaxed_bound(build: Callable[[list[int] | None], BlockModel],
+def _relaxed_bound(build: Callable[[list[int] | None, str, int], BlockModel],
                    value_of: Callable[[list[int]], int], budget: float, limit: float,
-                   workers: int, hint: list[int] | None = None) -> tuple[int, float, bool]:
-    """A proven lower bound on the full model's critical-path KV from the relaxation of
-    :mod:`.ilp_relax`, within ``budget`` deterministic seconds: one optimisation run, then
-    the question "below its value?" (usually refuted at once, and then the relaxation is
-    solved), then ``_bisect``. Returns the bound, the time spent and whether it was
-    deterministic."""
+                   workers: int, hint: list[int]) -> tuple[int, float, bool]:
+    """A proven lower bound on the full model's critical-path KV from the relaxations of
+    :mod:`.ilp_relax`, within ``budget`` deterministic seconds: first with the fluid as
+    token positions, then, in what is left, as blocks with the first bound as a floor
+    (the blocks' optimum is never below the positions'; CP-SAT proves the looser bound
+    much faster, and from it the tighter one). Returns the bound, the time spent and
+    whether every solve was deterministic."""
+    bound, spent, deterministic = 0, 0.0, True
+    for grain in GRAINS:
+        if budget - spent <= 1e-3:
+            break
+        def model(ranks: list[int] | None, grain: str = grain, floor: int = bound) -> BlockModel:
+            return build(ranks, grain, floor)
+
+        stage, stage_spent, stage_deterministic = _relaxed_stage(
+            model, value_of, budget - spent, limit, workers, hint)
+        bound, spent = max(bound, stage), spent + stage_spent
+        deterministic = deterministic and stage_deterministic
+    return bound, spent, deterministic
+
+
+def _relaxed_stage(build: Callable[[list[int] | None], BlockModel],
+                   value_of: Callable[[list[int]], int], budget: float, limit: float,
+                   workers: int, hint: list[int]) -> tuple[int, float, bool]:
+    """One relaxation's bound within ``budget``: one optimisation run, then the question
+    "below its value?" (usually refuted at once, and then the relaxation is solved), then
+    ``_bisect``. Returns the bound, the time spent and whether it was deterministic."""
     bm = build(hint)
     run = _run(bm, bm.comm_max, budget / 2, workers)
     if run.ranks is None:
@@ -384,10 +407,11 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
     0. If every doc fits whole on a rank, ask first whether every doc can stay whole (a
        packing model of its own, in ``ZERO_SHARE``): YES is optimal (KV 0).
     1. Search: rank-group steps from the hint (:mod:`.ilp_lns`), until ``GROUP_SHARE``.
-    2. Bound: solve the relaxation of :mod:`.ilp_relax` (the docs that cannot stay whole
-       as blocks, the rest as fluid), hinted with the incumbent's blocks of those docs, in
-       ``RELAX_SHARE``; its bound holds for the full model, where CP-SAT's own LP bound is
-       near 0. If it is 0 (and step 0 did not run), ask the question of step 0.
+    2. Bound: solve the relaxations of :mod:`.ilp_relax` (the docs that cannot stay whole
+       as blocks, the rest as a fluid of positions, then of blocks; ``_relaxed_bound``),
+       hinted with the incumbent's blocks of those docs, in ``RELAX_SHARE``; their bound
+       holds for the full model, where CP-SAT's own LP bound is near 0. If it is 0 (and
+       step 0 did not run), ask the question of step 0.
     3. Search again with rank-group steps until ``SEARCH_SHARE``, then optimise the full
        model from the incumbent with ``comm_max >= bound`` (CP-SAT's LNS), leaving
        ``BISECT_SHARE`` of the limit.
@@ -434,12 +458,13 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
     kept = must_split(doc_lengths, tokens_cap, cap)
     keep = set(kept)
     relax_blocks = sub_blocks(blocks, kept)
-    fluid = [length for d, length in enumerate(doc_lengths) if d not in keep]
+    fluid = sub_blocks(blocks, [d for d in range(len(doc_lengths)) if d not in keep])
 
-    def relaxation_model(ranks: list[int] | None) -> BlockModel:
-        bm = relaxation(relax_blocks, fluid, n, token_cap=tokens_cap, work_cap=cap)
+    def relaxation_model(ranks: list[int] | None, grain: str, floor: int) -> BlockModel:
+        bm = relaxation(relax_blocks, fluid, n, token_cap=tokens_cap, work_cap=cap, grain=grain)
         if ranks is not None:
             add_hint(bm, relax_blocks, ranks, n)
+        bm.model.Add(bm.comm_max >= floor)
         return bm
 
     def relaxed_ranks(ranks: list[int]) -> list[int]:
