@@ -364,13 +364,14 @@ def _relaxed_bound(build: Callable[[list[int] | None, str, int], BlockModel],
     """A proven lower bound on the full model's critical-path KV from the relaxations of
     :mod:`.ilp_relax`, within ``budget`` deterministic seconds: first with the fluid as
     token positions, then, in what is left, as blocks with the first bound as a floor
-    (the blocks' optimum is never below the positions'; CP-SAT proves the looser bound
-    much faster, and from it the tighter one). Returns the bound, the time spent and
-    whether every solve was deterministic."""
+    (the blocks' optimum is never below the positions'; CP-SAT can prove the looser bound
+    where it cannot prove the tighter one in the same time, see :mod:`.ilp_relax`).
+    Returns the bound, the time spent and whether every solve was deterministic."""
     bound, spent, deterministic = 0, 0.0, True
     for grain in GRAINS:
         if budget - spent <= 1e-3:
             break
+
         def model(ranks: list[int] | None, grain: str = grain, floor: int = bound) -> BlockModel:
             return build(ranks, grain, floor)
 
