@@ -67,6 +67,11 @@ def block_costs(fluid: Blocks) -> list[tuple[int, int]]:
     return [(b.end - b.start, shard_workload(b.start, b.end - b.start)) for b in fluid.blocks]
 
 
+def doc_lengths(blocks: Blocks) -> list[int]:
+    """The length of every doc of ``blocks`` (whole docs, as ``sub_blocks`` gives them)."""
+    return [blocks.blocks[run[-1]].end for run in blocks.doc_runs if len(run)]
+
+
 def fluid_tangents(fluid: Blocks) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Lines (slope c, intercept) below g and above G (module docstring), at the slopes
     ``cost_levels`` of the fluid docs' lengths. For any set of blocks, w - c t is the sum
@@ -74,8 +79,7 @@ def fluid_tangents(fluid: Blocks) -> tuple[list[tuple[int, int]], list[tuple[int
     the sum of max(0, w_b - c t_b) over all blocks: g(tau) >= c tau + the first and
     G(tau) <= c tau + the second, for every tau."""
     costs = block_costs(fluid)
-    lengths = [fluid.blocks[run[-1]].end for run in fluid.doc_runs if len(run)]
-    slopes = cost_levels(lengths)
+    slopes = cost_levels(doc_lengths(fluid))
     low = [(c, sum(min(0, w - c * t) for t, w in costs)) for c in slopes]
     high = [(c, sum(max(0, w - c * t) for t, w in costs)) for c in slopes]
     return low, high
@@ -109,8 +113,9 @@ def sub_blocks(blocks: Blocks, docs: Sequence[int]) -> Blocks:
 
 
 GRAINS = ("positions", "blocks")
-"""What the fluid is made of: token positions (a looser bound that CP-SAT proves fast) or
-the full model's blocks (the tighter bound of the module docstring)."""
+"""What the fluid is made of: token positions (the looser bound, which CP-SAT can prove
+where it cannot prove the other in the same time) or the full model's blocks (the tighter
+bound of the module docstring)."""
 
 
 def relaxation(kept: Blocks, fluid: Blocks, num_ranks: int, *, token_cap: int,
@@ -131,7 +136,7 @@ def relaxation(kept: Blocks, fluid: Blocks, num_ranks: int, *, token_cap: int,
     if grain == "blocks":
         low, high = fluid_tangents(fluid)
     else:
-        low, high = position_tangents([fluid.blocks[run[-1]].end for run in fluid.doc_runs])
+        low, high = position_tangents(doc_lengths(fluid))
     floor = token_floor(fluid_tokens + sum(size), n, token_cap)
 
     # --- Variables --------------------------------------------------------------------
