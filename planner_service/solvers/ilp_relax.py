@@ -25,7 +25,7 @@ first tokens of such a doc without the rest. The fluid as token positions (any s
 positions of the fluid docs may sit on a rank) is looser, but CP-SAT can prove its
 optimum where it cannot prove the blocks' one in the same time, and since every set of
 blocks is a set of positions that optimum is a floor for the blocks'. Measured on code
-sequences at 128K, N = 4 (``bench.ilp_compare``'s numbering): on sequences 25 and 78 the
+sequences at 128K, N = 4 (``python -m bench.ilp_relax``, one stage each, 4 s): on sequences 25 and 78 the
 blocks' optimum is 8049 and 5120 tokens, the positions' 7311 and 4608; on sequence 30
 CP-SAT proved the positions' optimum (35104) in 2.9 deterministic seconds, and not the
 blocks' in 3.4.
