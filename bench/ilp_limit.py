@@ -3,8 +3,9 @@
     python -m bench.ilp_limit --dataset code --sequences 3,15,50 --limits 10,60
 
 Sequences are numbered as in ``bench.ilp_compare``'s log (1-based, same packing and
-seed), so the ones with the largest gaps there can be looked at with a longer limit: if
-the value falls, the search is the weaker side; if the bound rises, the bound is.
+seed; ``bench.picked``), so the ones with the largest gaps there can be looked at with a
+longer limit: if the value falls, the search is the weaker side; if the bound rises, the
+bound is.
 
 ``--repeat R`` solves every (sequence, limit) R times and reports whether all R plans were
 the same byte for byte (the determinism the ILP promises):
@@ -16,33 +17,26 @@ from __future__ import annotations
 
 import argparse
 
+from bench.picked import add_arguments, picked_sequences
 from planner_service.core.request import PlanRequest
-from planner_service.data import make_source, pack_sequences
 from planner_service.solvers.registry import timed_solve
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default="code")
-    parser.add_argument("--context", type=int, default=131072)
-    parser.add_argument("--cp", type=int, default=4)
-    parser.add_argument("--sequences", default="3,15,50", help="1-based, as in bench.ilp_compare")
+    add_arguments(parser, default_sequences="3,15,50")
     parser.add_argument("--limits", default="10,60", help="deterministic seconds (capped at 60)")
-    parser.add_argument("--imbalance-target", type=float, default=1.05)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=1, help="solves per (sequence, limit)")
     args = parser.parse_args()
 
-    picked = [int(x) for x in args.sequences.split(",")]
-    sequences = pack_sequences(make_source(args.dataset), context_length=args.context,
-                               num_sequences=max(picked), seed=args.seed)
+    picked = picked_sequences(args)
     print(f"{args.dataset}, N = {args.cp}, C = {args.context}, R = {args.imbalance_target}, "
           "ILP blocks 2048, 2 workers\n")
     print("| sequence | limit s | value | bound | gap | status | deterministic | wall s | same plan |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for k in picked:
+    for k, lengths in picked:
         for limit in (float(x) for x in args.limits.split(",")):
-            request = PlanRequest(doc_lengths=tuple(sequences[k - 1]), cp_size=args.cp,
+            request = PlanRequest(doc_lengths=tuple(lengths), cp_size=args.cp,
                                   context_length=args.context,
                                   imbalance_target=args.imbalance_target, strategy="ilp",
                                   options={"time_limit_s": limit, "granularity": 2048, "workers": 2})

@@ -1,8 +1,10 @@
 """The ILP relaxation's two grains side by side, on chosen sequences.
 
     python -m bench.ilp_relax --dataset code --sequences 25,30,78 --limit 4
+    python -m bench.ilp_relax --dataset code --sequences 2,13,44 --limit 4 --complete 2
 
-Sequences are numbered as in ``bench.ilp_compare``'s log (1-based, same packing and seed).
+Sequences are numbered as in ``bench.ilp_compare``'s log (1-based, same packing and seed;
+``bench.picked``).
 Each grain's relaxation (``ilp_relax.GRAINS``: the fluid as token positions, or as the
 full model's blocks) is built from the same blocks as ``ilp`` builds and minimised alone
 with no floor, as one stage of ``ilp._relaxed_bound`` does (an optimisation run, the
@@ -12,6 +14,14 @@ deterministic seconds of rank-group steps reach from the flashcp plan (4 s: what
 spends before its relaxation at a 10 s limit; 0: the flashcp plan itself). The proven
 bound and the deterministic time used show which grain's bound is tighter and which
 CP-SAT proves in time.
+
+``--complete S`` asks, after both grains, which side of the ILP's gap a tight bound leaves
+open (``completion``): a placement of the kept docs that the blocks relaxation allows at
+the larger bound is fixed in the full model, and CP-SAT (2 workers, S deterministic
+seconds) looks for a placement of the rest within ``--within`` (1%) of the bound. *found*:
+the bound is within 1% of the optimum, and a search that reaches it would close the gap;
+*none*: that kept placement cannot be completed (another might); *undecided*: neither in
+time.
 """
 
 from __future__ import annotations
@@ -19,37 +29,37 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from planner_service.data import make_source, pack_sequences
+from bench.picked import add_arguments, picked_sequences
 from planner_service.solvers import ilp
-from planner_service.solvers.ilp_blocks import cut_blocks, layout_cuts, place_blocks
-from planner_service.solvers.ilp_model import BlockModel, canonical_ranks, placement_values
-from planner_service.solvers.ilp_relax import GRAINS
+from planner_service.solvers.ilp_blocks import Blocks, cut_blocks, layout_cuts, place_blocks
+from planner_service.solvers.ilp_model import (
+    BlockModel,
+    build_model,
+    canonical_ranks,
+    placement_values,
+)
+from planner_service.solvers.ilp_relax import GRAINS, must_split
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", default="code")
-    parser.add_argument("--context", type=int, default=131072)
-    parser.add_argument("--cp", type=int, default=4)
-    parser.add_argument("--sequences", default="25,30,78", help="1-based, as in bench.ilp_compare")
+    add_arguments(parser, default_sequences="25,30,78")
     parser.add_argument("--limit", type=float, default=4.0, help="deterministic seconds per solve")
     parser.add_argument("--search", type=float, default=4.0,
                         help="deterministic seconds of rank-group steps before the hint")
-    parser.add_argument("--imbalance-target", type=float, default=1.05)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--complete", type=float, default=0.0,
+                        help="deterministic seconds for the completion question (0: not asked)")
+    parser.add_argument("--within", type=float, default=0.01,
+                        help="the completion question's tolerance above the bound")
     args = parser.parse_args()
 
-    picked = [int(x) for x in args.sequences.split(",")]
-    sequences = pack_sequences(make_source(args.dataset), context_length=args.context,
-                               num_sequences=max(picked), seed=args.seed)
     n = args.cp
     print(f"{args.dataset}, N = {n}, C = {args.context}, R = {args.imbalance_target}, ILP blocks "
           f"2048, limit {args.limit:g} s (deterministic), 2 workers, hint after {args.search:g} s "
           "of rank-group steps\n")
-    print("| sequence | grain | proven bound | deterministic s |")
-    print("|---|---|---|---|")
-    for k in picked:
-        lengths = sequences[k - 1]
+    print("| sequence | grain | proven bound | deterministic s | completion |")
+    print("|---|---|---|---|---|")
+    for k, lengths in picked_sequences(args):
         cap = ilp.workload_cap(lengths, n, args.imbalance_target)
         tokens = -(-sum(lengths) // n)
         hint_shards, _ = ilp.flashcp_shards(lengths, n, args.imbalance_target)
@@ -61,6 +71,7 @@ def main() -> None:
         if args.search > 0:
             start = ilp._Search(hint, max(placement_values(blocks, hint, n)[2]), 0, 0.0, True)
             hint = subs.group_search(start, args.search, ilp.GROUP_STEP_SHARE * 10.0).ranks
+        best = 0
         for grain in GRAINS:
             def model(ranks: list[int] | None, grain: str = grain,
                       build: Callable[..., BlockModel] = subs.relaxation) -> BlockModel:
@@ -68,7 +79,33 @@ def main() -> None:
 
             bound, spent, _ = ilp._relaxed_stage(model, subs.relaxed_value, args.limit, 10.0, 2,
                                                  subs.relaxed_ranks(hint))
-            print(f"| {k} | {grain} | {bound} | {spent:.1f} |", flush=True)
+            best = max(best, bound)
+            last = grain == GRAINS[-1] and args.complete > 0
+            done = completion(subs, blocks, lengths, n, tokens, cap, best, args) if last else "-"
+            print(f"| {k} | {grain} | {bound} | {spent:.1f} | {done} |", flush=True)
+
+
+def completion(subs: ilp._Subproblems, blocks: Blocks, lengths: list[int], n: int, tokens: int,
+               cap: int, bound: int, args: argparse.Namespace) -> str:
+    """The completion question: take a placement of the kept docs' blocks that the blocks
+    relaxation allows at critical-path KV ``bound``, fix it in the full model, and ask
+    whether a placement of every block then reaches at most bound x (1 + ``--within``)."""
+    relaxed = subs.relaxation(None, GRAINS[-1], 0)
+    relaxed.model.Add(relaxed.comm_max <= bound)
+    kept_run = ilp._run(relaxed, None, args.complete, 1)
+    if kept_run.ranks is None:
+        return f"no kept placement at {bound} ({kept_run.status})"
+    target = int(bound * (1 + args.within))
+    full = build_model(blocks, n, token_cap=tokens, work_cap=cap)
+    kept = [b for d in must_split(lengths, tokens, cap) for b in blocks.doc_runs[d]]
+    for b, rank in zip(kept, kept_run.ranks, strict=True):
+        full.model.Add(full.x[b][rank] == 1)
+    full.model.Add(full.comm_max <= target)
+    solver, status, dtime, _ = ilp._solve_model(full.model, args.complete, 2)
+    if status in ("OPTIMAL", "FEASIBLE"):
+        value = max(placement_values(blocks, ilp._chosen(solver, full.x), n)[2])
+        return f"found {value} <= {target} in {dtime:.1f} s"
+    return f"{'none' if status == 'INFEASIBLE' else 'undecided'} <= {target} ({dtime:.1f} s)"
 
 
 if __name__ == "__main__":
