@@ -96,7 +96,7 @@ def completion(subs: ilp._Subproblems, blocks: Blocks, lengths: list[int], n: in
     if kept_run.ranks is None:
         return f"no kept placement at {bound} ({kept_run.status})"
     target = int(bound * (1 + args.within))
-    full = build_model(blocks, n, token_cap=tokens, work_cap=cap)
+    full = build_model(blocks, n, token_cap=tokens, work_cap=cap, symmetric=False)
     kept = [b for d in must_split(lengths, tokens, cap) for b in blocks.doc_runs[d]]
     for b, rank in zip(kept, kept_run.ranks, strict=True):
         full.model.Add(full.x[b][rank] == 1)

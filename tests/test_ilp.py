@@ -172,3 +172,18 @@ def test_any_request_gives_a_valid_plan_within_r_or_the_fallback(doc_lengths, cp
     assert plan.metrics.tokens_per_rank == -(-total // cp_size)
     if plan.info["status"] != "FALLBACK":
         assert plan.metrics.imbalance <= 1.2
+
+
+def test_model_numbers_interchangeable_ranks_unless_told_not_to():
+    # Docs 4 and 2 in blocks of 2 on 2 ranks: the canonical order puts the longest doc's
+    # last block on rank 0, so a placement with it on rank 1 is only in the model without.
+    from ortools.sat.python import cp_model
+
+    from planner_service.solvers.ilp_model import build_model
+
+    blocks = cut_blocks([4, 2], 2, head_docs=())
+    last = blocks.doc_runs[0][-1]
+    for symmetric, status in ((True, cp_model.INFEASIBLE), (False, cp_model.OPTIMAL)):
+        bm = build_model(blocks, 2, token_cap=4, work_cap=None, symmetric=symmetric)
+        bm.model.Add(bm.x[last][1] == 1)
+        assert cp_model.CpSolver().Solve(bm.model) == status

@@ -44,11 +44,15 @@ def build_model(
     *,
     token_cap: int,
     work_cap: int | None,
+    symmetric: bool = True,
 ) -> BlockModel:
     """Variables and constraints shared by both objectives (the caller sets the objective).
 
     ``token_cap``: tokens allowed per rank (T = ceil(S / N) for minimal padding).
     ``work_cap``: workload allowed per rank (R x mean, rounded down); None for no cap.
+    ``symmetric``: the ranks are interchangeable, so the model numbers them in a canonical
+    order (``symmetry_items``); False where the caller fixes blocks on given ranks, which
+    the canonical order could then exclude.
     """
     # --- Data -------------------------------------------------------------------------
     n = num_ranks
@@ -126,7 +130,7 @@ def build_model(
         model.Add(recv[r] <= comm_max)
     # Ranks are interchangeable: number them in order of first use by the last blocks of
     # the docs, longest doc first (a rank is used only after the one before it).
-    items = symmetry_items(blocks)
+    items = symmetry_items(blocks) if symmetric else []
     for k, b in enumerate(items):
         for r in range(1, n):
             model.AddBoolOr([x[b][r].Not(), *(x[i][r - 1] for i in items[:k])])
