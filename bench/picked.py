@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser, default_sequences: str) -> No
 def picked_sequences(args: argparse.Namespace) -> list[tuple[int, list[int]]]:
     """(number, doc lengths) of every picked sequence, in the order given.
 
-    Raises SystemExit (argparse's error) if a number is outside 1..--packed.
+    Exits with a message naming ``--sequences`` if a number is outside 1..``--packed``.
     """
     picked = [int(x) for x in args.sequences.split(",")]
     if not all(1 <= k <= args.packed for k in picked):

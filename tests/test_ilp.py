@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ortools.sat.python import cp_model
 
 from planner_service.core.plan import Shard
 from planner_service.core.request import debug_request
@@ -14,6 +15,7 @@ from planner_service.core.validate import validate_plan
 from planner_service.data import make_source, pack_sequences
 from planner_service.solvers import ilp
 from planner_service.solvers.ilp_blocks import cut_blocks, place_blocks
+from planner_service.solvers.ilp_model import build_model
 from planner_service.solvers.registry import get_strategy, solve
 
 QUICK = {"time_limit_s": 0.5, "workers": 1}
@@ -177,10 +179,6 @@ def test_any_request_gives_a_valid_plan_within_r_or_the_fallback(doc_lengths, cp
 def test_model_numbers_interchangeable_ranks_unless_told_not_to():
     # Docs 4 and 2 in blocks of 2 on 2 ranks: the canonical order puts the longest doc's
     # last block on rank 0, so a placement with it on rank 1 is only in the model without.
-    from ortools.sat.python import cp_model
-
-    from planner_service.solvers.ilp_model import build_model
-
     blocks = cut_blocks([4, 2], 2, head_docs=())
     last = blocks.doc_runs[0][-1]
     for symmetric, status in ((True, cp_model.INFEASIBLE), (False, cp_model.OPTIMAL)):
