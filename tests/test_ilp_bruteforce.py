@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from planner_service.core.cost import comm_volumes, doc_workload, rank_workloads
 from planner_service.solvers.flashcp import flashcp_shards
 from planner_service.solvers.ilp import IlpOptions, head_docs, solve_blocks, workload_cap
-from planner_service.solvers.ilp_blocks import block_shards, cut_blocks, layout_cuts
+from planner_service.solvers.ilp_blocks import Blocks, block_shards, cut_blocks, layout_cuts
 
 HEADS = 2
 """Fewer head docs than docs, so blocks with and without a geometric head both occur."""
@@ -58,6 +58,36 @@ def brute_force(doc_lengths: Sequence[int], n: int, target: float, g: int) -> Op
             best_balance = (max_work, comm)
     assert best_balance is not None, "the flashcp cuts always give a placement"
     return Optimum(best_comm, best_balance)
+
+
+class CommCase(NamedTuple):
+    """A tiny instance with a comm optimum, for the tests of the ILP's bounds."""
+
+    doc_lengths: list[int]
+    n: int
+    tokens: int
+    """T = ceil(S / N)."""
+    cap: int
+    """The workload cap of R."""
+    blocks: Blocks
+    optimum: int
+    """The brute-force comm optimum."""
+
+
+def comm_case(instance) -> CommCase:
+    """The instance as a ``CommCase``; rejects (hypothesis ``assume``) one whose R is below
+    what integer tokens allow, with too many blocks to enumerate, or that no placement meets."""
+    doc_lengths, n, target, g = instance
+    try:
+        cap = workload_cap(doc_lengths, n, target)
+    except ValueError:
+        assume(False)
+    blocks = instance_blocks(doc_lengths, n, target, g)
+    assume(len(blocks.blocks) <= MAX_BLOCKS[n])
+    optimum = brute_force(doc_lengths, n, target, g).comm
+    assume(optimum is not None)
+    assert optimum is not None
+    return CommCase(doc_lengths, n, -(-sum(doc_lengths) // n), cap, blocks, optimum)
 
 
 def options(g: int, objective: str) -> IlpOptions:

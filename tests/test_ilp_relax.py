@@ -9,7 +9,7 @@ import itertools
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
-from test_ilp_bruteforce import MAX_BLOCKS, brute_force, instance_blocks, tiny_instances
+from test_ilp_bruteforce import brute_force, comm_case, instance_blocks, tiny_instances
 
 from planner_service.core.cost import doc_workload
 from planner_service.core.plan import Shard
@@ -101,20 +101,14 @@ def test_must_split_lists_docs_no_rank_holds_whole_and_the_longest():
           suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(tiny_instances())
 def test_relaxation_optima_never_exceed_the_full_optimum(instance):
-    doc_lengths, n, target, g = instance
-    try:
-        cap = workload_cap(doc_lengths, n, target)
-    except ValueError:
-        assume(False)
-    blocks = instance_blocks(doc_lengths, n, target, g)
-    assume(len(blocks.blocks) <= MAX_BLOCKS[n])
-    expected = brute_force(doc_lengths, n, target, g).comm
-    assume(expected is not None)
-    kept = must_split(doc_lengths, -(-sum(doc_lengths) // n), cap)
+    case = comm_case(instance)
+    doc_lengths, n, cap, blocks, expected = (case.doc_lengths, case.n, case.cap, case.blocks,
+                                             case.optimum)
+    kept = must_split(doc_lengths, case.tokens, cap)
     fluid = sub_blocks(blocks, [d for d in range(len(doc_lengths)) if d not in kept])
     optimum = {}
     for grain in GRAINS:
-        bm = relaxation(sub_blocks(blocks, kept), fluid, n, token_cap=-(-sum(doc_lengths) // n),
+        bm = relaxation(sub_blocks(blocks, kept), fluid, n, token_cap=case.tokens,
                         work_cap=cap, grain=grain)
         bm.model.Minimize(bm.comm_max)
         solver = cp_model.CpSolver()

@@ -15,9 +15,11 @@ Objectives (option ``objective``):
 
 Search for ``comm`` (``_solve_comm``): CP-SAT's LP bound on a maximum of received KV is
 near 0 (the LP spreads every block over all ranks), so the bound comes from smaller
-models: a relaxation (:mod:`.ilp_relax`: the docs that cannot stay whole as blocks, the
-rest as a fluid of token positions, then of blocks) solved to optimality where the time
-allows, and the question "can every doc stay whole?"
+models: a branch and bound on where each rank's part of the longest doc ends
+(:mod:`.ilp_ends`: an LP per node, CP-SAT on the leaves), a relaxation
+(:mod:`.ilp_relax`: the docs that cannot stay whole as blocks, the rest as a fluid of
+token positions, then of blocks) solved to optimality where the time allows, and the
+question "can every doc stay whole?"
 (``ilp_model.whole_doc_model``). Placements come from rank-group steps (:mod:`.ilp_lns`:
 the blocks of the rank receiving most and one or two partners re-placed exactly by a
 small model, the other ranks fixed), then from CP-SAT's LNS on the full model; a last
@@ -57,6 +59,7 @@ from planner_service.solvers.ilp_blocks import (
     layout_cuts,
     place_blocks,
 )
+from planner_service.solvers.ilp_ends import ends_bound
 from planner_service.solvers.ilp_lns import GroupModel, Step, descend
 from planner_service.solvers.ilp_model import (
     OBJECTIVES,
@@ -65,6 +68,7 @@ from planner_service.solvers.ilp_model import (
     build_model,
     canonical_ranks,
     placement_values,
+    token_floor,
     whole_doc_model,
 )
 from planner_service.solvers.ilp_relax import GRAINS, must_split, relaxation, sub_blocks
@@ -84,6 +88,13 @@ GROUP_SHARE = 0.4
 """The rank-group search from the hint runs until this share of the limit is spent."""
 RELAX_SHARE = 0.4
 """Most of the time limit the comm objective spends on its relaxation's bound."""
+ENDS_SHARE = 0.25
+"""Most of the time limit the bound of :mod:`.ilp_ends` (branching on the longest doc's
+ends) may take, out of ``RELAX_SHARE``."""
+ENDS_LP_SHARE = 0.5
+"""The share of that budget its LPs may take (the rest goes to its leaves)."""
+ENDS_LEAF_SHARE = 0.1
+"""Most of that budget any one leaf's CP-SAT solve may take."""
 ZERO_SHARE = 0.15
 """Most of the time limit the question "can every doc stay whole?" may take."""
 SEARCH_SHARE = 0.8
@@ -333,6 +344,9 @@ class _Subproblems(NamedTuple):
     """The critical-path KV of a placement of the relaxation's blocks."""
     relaxed_ranks: Callable[[list[int]], list[int]]
     """The placement of the relaxation's blocks in a placement of the full model's."""
+    ends_bound: Callable[[int, float], tuple[int, float]]
+    """``ilp_ends.ends_bound`` on the longest doc, stopping at the given incumbent value,
+    within the given deterministic seconds: the bound and the time spent."""
     group_search: Callable[[_Search, float, float], _Search]
     """Improves the incumbent by ``ilp_lns.descend`` until the given deterministic second
     of the limit."""
@@ -360,14 +374,15 @@ def _ask_whole(state: _Search, subs: _Subproblems, limit_s: float,
 
 def _relaxed_bound(build: Callable[[list[int] | None, str, int], BlockModel],
                    value_of: Callable[[list[int]], int], budget: float, limit: float,
-                   workers: int, hint: list[int]) -> tuple[int, float, bool]:
+                   workers: int, hint: list[int], floor: int) -> tuple[int, float, bool]:
     """A proven lower bound on the full model's critical-path KV from the relaxations of
-    :mod:`.ilp_relax`, within ``budget`` deterministic seconds: first with the fluid as
-    token positions, then, in what is left, as blocks with the first bound as a floor
-    (the blocks' optimum is never below the positions'; CP-SAT can prove the looser bound
-    where it cannot prove the tighter one in the same time, see :mod:`.ilp_relax`).
-    Returns the bound, the time spent and whether every solve was deterministic."""
-    bound, spent, deterministic = 0, 0.0, True
+    :mod:`.ilp_relax`, at least ``floor`` (a bound already proven), within ``budget``
+    deterministic seconds: first with the fluid as token positions, then, in what is
+    left, as blocks with the first bound as a floor (the blocks' optimum is never below
+    the positions'; CP-SAT can prove the looser bound where it cannot prove the tighter
+    one in the same time, see :mod:`.ilp_relax`). Returns the bound, the time spent and
+    whether every solve was deterministic."""
+    bound, spent, deterministic = floor, 0.0, True
     for grain in GRAINS:
         if budget - spent <= 1e-3:
             break
@@ -408,11 +423,13 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
     0. If every doc fits whole on a rank, ask first whether every doc can stay whole (a
        packing model of its own, in ``ZERO_SHARE``): YES is optimal (KV 0).
     1. Search: rank-group steps from the hint (:mod:`.ilp_lns`), until ``GROUP_SHARE``.
-    2. Bound: solve the relaxations of :mod:`.ilp_relax` (the docs that cannot stay whole
-       as blocks, the rest as a fluid of positions, then of blocks; ``_relaxed_bound``),
-       hinted with the incumbent's blocks of those docs, in ``RELAX_SHARE``; their bound
-       holds for the full model, where CP-SAT's own LP bound is near 0. If it is 0 (and
-       step 0 did not run), ask the question of step 0.
+    2. Bound: branch on the longest doc's ends (:mod:`.ilp_ends`, in ``ENDS_SHARE``),
+       then, from that bound as a floor, solve the relaxations of :mod:`.ilp_relax` (the
+       docs that cannot stay whole as blocks, the rest as a fluid of positions, then of
+       blocks; ``_relaxed_bound``), hinted with the incumbent's blocks of those docs, in
+       what is left of ``RELAX_SHARE``; these bounds hold for the full model, where
+       CP-SAT's own LP bound is near 0. If the bound is 0 (and step 0 did not run), ask
+       the question of step 0.
     3. Search again with rank-group steps until ``SEARCH_SHARE``, then optimise the full
        model from the incumbent with ``comm_max >= bound`` (CP-SAT's LNS), leaving
        ``BISECT_SHARE`` of the limit.
@@ -425,11 +442,14 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
         state = _ask_whole(state, subs, ZERO_SHARE * limit, value_of)
     if state.bound < state.value:
         state = subs.group_search(state, GROUP_SHARE * limit, GROUP_STEP_SHARE * limit)
-        bound, spent, deterministic = _relaxed_bound(
-            subs.relaxation, subs.relaxed_value, RELAX_SHARE * limit, limit, workers,
-            subs.relaxed_ranks(state.ranks))
-        state = state._replace(bound=max(state.bound, bound), spent=state.spent + spent,
-                               deterministic=state.deterministic and deterministic)
+        bound, ends_spent = subs.ends_bound(state.value, ENDS_SHARE * limit)
+        state = state._replace(bound=max(state.bound, bound), spent=state.spent + ends_spent)
+        if state.bound < state.value:
+            bound, spent, deterministic = _relaxed_bound(
+                subs.relaxation, subs.relaxed_value, RELAX_SHARE * limit - ends_spent, limit,
+                workers, subs.relaxed_ranks(state.ranks), state.bound)
+            state = state._replace(bound=max(state.bound, bound), spent=state.spent + spent,
+                                   deterministic=state.deterministic and deterministic)
     if state.bound == 0 < state.value and not asked:
         state = _ask_whole(state, subs, ZERO_SHARE * limit, value_of)
     if state.bound < state.value:
@@ -505,8 +525,21 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
         return state._replace(ranks=ranks, value=value, found=True) if value < state.value else state
 
     all_fit = all(length <= tokens_cap and doc_workload(length) <= cap for length in doc_lengths)
-    return _Subproblems(relaxation_model, relaxed_value, relaxed_ranks, group_search, whole_docs,
-                        all_fit)
+    longest = min(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    doc = sub_blocks(blocks, [longest])
+    others = sub_blocks(blocks, [d for d in range(len(doc_lengths)) if d != longest])
+
+    def longest_ends(stop_at: int, budget: float) -> tuple[int, float]:
+        # The LPs' and the leaves' time as ``ilp_ends`` counts them.
+        leaves = (1 - ENDS_LP_SHARE) * budget
+        run = ends_bound(doc, others, n, token_cap=tokens_cap, work_cap=cap,
+                         token_floor=token_floor(sum(doc_lengths), n, tokens_cap),
+                         lp_budget_s=ENDS_LP_SHARE * budget, stop_at=stop_at,
+                         leaf_limit_s=ENDS_LEAF_SHARE * leaves, leaf_budget_s=leaves)
+        return run.bound, run.lp_seconds + run.leaf_seconds
+
+    return _Subproblems(relaxation_model, relaxed_value, relaxed_ranks, longest_ends, group_search,
+                        whole_docs, all_fit)
 
 
 def solve_blocks(
