@@ -10,7 +10,7 @@ from ortools.sat.python import cp_model
 from test_ilp_bruteforce import comm_case, tiny_instances
 
 from planner_service.solvers.ilp_blocks import Blocks
-from planner_service.solvers.ilp_ends import Leaves, ends_bound
+from planner_service.solvers.ilp_ends import Leaves, ends_bound, ends_data
 from planner_service.solvers.ilp_model import token_floor
 from planner_service.solvers.ilp_relax import sub_blocks
 
@@ -28,7 +28,7 @@ def every_leaf_optimum(doc: Blocks, fluid: Blocks, n: int, tokens: int, cap: int
     """The slow reference: every tuple of ends (ranks sorted by end, nonzero ends rising
     strictly, the last at L) solved exactly; the least optimum (None if none is feasible)."""
     top = len(doc.blocks)
-    leaves = Leaves(doc, fluid, n, token_cap=tokens, work_cap=cap, token_floor=floor)
+    leaves = Leaves(ends_data(doc, fluid), n, token_cap=tokens, work_cap=cap, token_floor=floor)
     best = None
     for ends in itertools.product(range(top + 1), repeat=n - 1):
         nonzero = [e for e in ends if e > 0]

@@ -74,23 +74,42 @@ class EndsBound(NamedTuple):
     """The leaves' time, counted as ``LEAF_BASE_S`` and ``LEAF_DTIME_FACTOR`` say."""
 
 
+class EndsData(NamedTuple):
+    """What the LP and the leaves read of D's blocks and of the fluid."""
+
+    ends: list[int]
+    """End position of end index j: 0 (none of D), then the end of each of D's blocks."""
+    size: list[int]
+    """Tokens of each of D's blocks."""
+    work: list[int]
+    """Workload of each of D's blocks."""
+    fluid_tokens: int
+    fluid_work: int
+    low: list[tuple[int, int]]
+    high: list[tuple[int, int]]
+    """The fluid's tangents (``ilp_relax.fluid_tangents``; none without a fluid)."""
+
+
+def ends_data(doc: Blocks, fluid: Blocks) -> EndsData:
+    """``EndsData`` of the longest doc's blocks ``doc`` and the other docs' blocks ``fluid``."""
+    spans = [(b.start, b.end) for b in doc.blocks]
+    costs = block_costs(fluid)
+    low, high = fluid_tangents(fluid) if fluid.blocks else ([], [])
+    return EndsData([0] + [end for _, end in spans], [end - start for start, end in spans],
+                    [shard_workload(start, end - start) for start, end in spans],
+                    sum(t for t, _ in costs), sum(w for _, w in costs), low, high)
+
+
 class _Lp:
     """The node LP of the module docstring, built once; a node sets variable bounds."""
 
-    def __init__(self, doc: Blocks, fluid: Blocks, n: int, token_cap: int, work_cap: int,
+    def __init__(self, data: EndsData, n: int, token_cap: int, work_cap: int,
                  token_floor: int) -> None:
         # --- Data ---------------------------------------------------------------------
         self.n = n
-        spans = [(b.start, b.end) for b in doc.blocks]
-        self.ends = [0] + [end for _, end in spans]
-        """End position of end index j (0: none of D)."""
-        length = self.ends[-1]
-        num_blocks = len(spans)
-        size = [end - start for start, end in spans]
-        work = [shard_workload(start, end - start) for start, end in spans]
-        costs = block_costs(fluid)
-        fluid_tokens, fluid_work = sum(t for t, _ in costs), sum(w for _, w in costs)
-        low, high = fluid_tangents(fluid) if fluid.blocks else ([], [])
+        self.ends = data.ends
+        length, num_blocks, size, work = data.ends[-1], len(data.size), data.size, data.work
+        fluid_tokens, fluid_work, low, high = data.fluid_tokens, data.fluid_work, data.low, data.high
         tok, wk = float(token_cap), float(work_cap)  # units of the rows
         self.scale = tok
         self.seconds = 0.0
@@ -130,7 +149,7 @@ class _Lp:
             solver.Add(self.e[k] - held <= self.v)
             # The end is past every block the rank holds; ends in rank order.
             for b in range(num_blocks):
-                solver.Add(self.e[k] >= spans[b][1] / tok * self.x[b][k])
+                solver.Add(self.e[k] >= self.ends[b + 1] / tok * self.x[b][k])
             if k + 1 < n:
                 solver.Add(self.e[k] <= self.e[k + 1])
             # The rank holds the block its part ends with (coefficients set per node).
@@ -166,23 +185,18 @@ class Leaves:
     """A leaf exactly (the module docstring with the ends fixed and D's blocks whole): the
     part shared by every leaf is built once, and ``model`` copies it and adds a leaf's ends."""
 
-    def __init__(self, doc: Blocks, fluid: Blocks, n: int, *, token_cap: int, work_cap: int,
+    def __init__(self, data: EndsData, n: int, *, token_cap: int, work_cap: int,
                  token_floor: int) -> None:
         # --- Data ---------------------------------------------------------------------
-        spans = [(b.start, b.end) for b in doc.blocks]
-        self.position = [0] + [end for _, end in spans]
-        self.size = [end - start for start, end in spans]
-        work = [shard_workload(start, end - start) for start, end in spans]
-        costs = block_costs(fluid)
-        fluid_tokens, fluid_work = sum(t for t, _ in costs), sum(w for _, w in costs)
-        low, high = fluid_tangents(fluid) if fluid.blocks else ([], [])
+        self.position, self.size, work = data.ends, data.size, data.work
+        fluid_tokens, fluid_work, low, high = data.fluid_tokens, data.fluid_work, data.low, data.high
         model = cp_model.CpModel()
         self.base = model
 
         # --- Variables ----------------------------------------------------------------
         # x[b][k] = 1 iff block b of D is on rank k; tau / omega: fluid tokens / workload
         # on rank k; v: the critical-path KV of D.
-        self.x = [[model.NewBoolVar(f"x_b{b}_k{k}") for k in range(n)] for b in range(len(spans))]
+        self.x = [[model.NewBoolVar(f"x_b{b}_k{k}") for k in range(n)] for b in range(len(work))]
         tau = [model.NewIntVar(0, fluid_tokens, f"tau_k{k}") for k in range(n)]
         omega = [model.NewIntVar(0, fluid_work, f"omega_k{k}") for k in range(n)]
         self.v = model.NewIntVar(0, self.position[-1], "v")
@@ -243,8 +257,9 @@ def ends_bound(doc: Blocks, fluid: Blocks, num_ranks: int, *, token_cap: int, wo
     solve gets at most ``leaf_limit_s`` deterministic seconds, and once the leaves' time
     (``leaf_seconds``) reaches ``leaf_budget_s``, a leaf keeps its LP bound."""
     n = num_ranks
-    lp = _Lp(doc, fluid, n, token_cap, work_cap, token_floor)
-    leaves = Leaves(doc, fluid, n, token_cap=token_cap, work_cap=work_cap, token_floor=token_floor)
+    data = ends_data(doc, fluid)
+    lp = _Lp(data, n, token_cap, work_cap, token_floor)
+    leaves = Leaves(data, n, token_cap=token_cap, work_cap=work_cap, token_floor=token_floor)
     top = len(lp.ends) - 1
     start = _narrow([0] * n, [top] * n, n - 1, top, top)
     assert start is not None
