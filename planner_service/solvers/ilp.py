@@ -94,7 +94,7 @@ ends) may take, out of ``RELAX_SHARE``."""
 ENDS_LP_SHARE = 0.5
 """The share of that budget its LPs may take (the rest goes to its leaves)."""
 ENDS_LEAF_SHARE = 0.1
-"""Most of that budget any one leaf's CP-SAT solve may take."""
+"""Most of the leaves' budget any one leaf's CP-SAT solve may take."""
 ZERO_SHARE = 0.15
 """Most of the time limit the question "can every doc stay whole?" may take."""
 SEARCH_SHARE = 0.8
