@@ -252,3 +252,15 @@ def test_schedule_over_grpc_and_http(http, stub):
                       metadata=MD, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "num_ranks" in info.value.details()
+
+
+def test_schedule_over_grpc_refuses_a_flood_of_sequences_before_parsing(stub):
+    # The HTTP route's guard (tests/test_hardening_hostile.py), over gRPC: 2000 one-token
+    # sequences, above PLANNER_MAX_SEQUENCES (1024) and within the message size limit.
+    text = '{"num_ranks": 8, "memory_tokens": 4096, "sequences": [' + ",".join(["[1]"] * 2000) + "]}"
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Schedule(pb2.ScheduleRequest(request_json=text), metadata=MD, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The guard's wording ("more than"), not the validator's ("has 2000 entries"): refused
+    # before the JSON was parsed.
+    assert "sequences has more than 1024 entries" in info.value.details()

@@ -30,6 +30,7 @@ from planner_service.service.schemas import (
     FieldError,
     PlanRequestIn,
     ScheduleRequestIn,
+    refuse_sequence_flood,
     validation_message,
 )
 from planner_service.solvers.registry import STRATEGIES
@@ -125,6 +126,7 @@ class PlannerServicer:
 
     async def Schedule(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
+            refuse_sequence_flood(request.request_json, self.svc.limits.max_sequences)
             try:
                 data = json.loads(request.request_json or "{}")
             except ValueError as exc:

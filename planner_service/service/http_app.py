@@ -33,6 +33,7 @@ from planner_service.service.schemas import (
     PlanRequestIn,
     ScheduleRequestIn,
     StrategyOut,
+    refuse_sequence_flood,
 )
 from planner_service.service.settings import Settings, load_settings
 
@@ -118,12 +119,7 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
               summary="FCP: schedule a batch of sequences (501 until FCP is installed)",
               openapi_extra=body_doc(ScheduleRequestIn))
     async def schedule(request: Request, deadline_ms: DeadlineHeader = None) -> Response:
-        # Refuse a flood of tiny sequences before parsing: a 4 MiB body of "[1]," would
-        # cost ~1 s and ~200 MB of Python lists to validate. Every sequence opens a "[".
-        limit = svc.limits.max_sequences
-        if (await request.body()).count(b"[") > limit + 64:
-            raise FieldError("sequences", f"sequences has more than {limit} entries, the "
-                             "limit (PLANNER_MAX_SEQUENCES)")
+        refuse_sequence_flood(await request.body(), svc.limits.max_sequences)
         body = await parse_body(request, ScheduleRequestIn)
         text, ms = await svc.schedule(body, _seconds(deadline_ms))
         return Response(text, media_type=JSON, headers={"Server-Timing": f"solve;dur={ms:.3f}"})

@@ -34,6 +34,16 @@ class FieldError(ValueError):
         self.field = field
 
 
+def refuse_sequence_flood(raw: bytes | str, limit: int) -> None:
+    """Refuse a schedule body with far more than ``limit`` sequences before parsing it: a
+    4 MiB body of "[1]," would cost ~1 s and ~200 MB of Python lists to validate. Every
+    sequence opens a "[" (the slack of 64 leaves the exact count to the validator)."""
+    opens = raw.count(b"[") if isinstance(raw, bytes) else raw.count("[")
+    if opens > limit + 64:
+        raise FieldError("sequences", f"sequences has more than {limit} entries, the limit "
+                         "(PLANNER_MAX_SEQUENCES)")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Limits:
     """The operator's bounds on one request (from Settings)."""
