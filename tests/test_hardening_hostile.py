@@ -22,6 +22,8 @@ from planner_service.service.testing import ServerProcess
 
 ANSWER_S = 1.0
 """Every hostile request is answered within this (issue 7)."""
+BODY_TIMEOUT_S = 2.0
+"""PLANNER_BODY_TIMEOUT_S of the test server."""
 MAX_BODY = 4 * 2**20
 RSS_GROWTH_MIB = 64
 """Bound on the server's RSS growth over the whole suite (a 100 MB body never lands)."""
@@ -58,7 +60,8 @@ class RssWatch:
 
 @pytest.fixture(scope="module")
 def server():
-    env = {"PLANNER_MAX_TIME_LIMIT_S": "2", "PLANNER_MAX_BODY_BYTES": str(MAX_BODY)}
+    env = {"PLANNER_MAX_TIME_LIMIT_S": "2", "PLANNER_MAX_BODY_BYTES": str(MAX_BODY),
+           "PLANNER_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
     with ServerProcess(workers=1, grpc=False, env=env) as s:
         yield s
 
@@ -328,6 +331,22 @@ def test_slow_clients_do_not_block_others(server, client):
         feeder.join()
         for sock in socks:
             sock.close()
+
+
+def test_a_trickling_body_is_cut_off_at_the_body_timeout(server, client):
+    with _connect(server) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/plan HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: 100\r\n\r\n{")
+        for _ in range(5):  # a byte now and then, never the whole body
+            time.sleep(0.2)
+            sock.send(b" ")
+        assert _read_status(sock, BODY_TIMEOUT_S + ANSWER_S) == 408
+        assert BODY_TIMEOUT_S <= time.monotonic() - start < BODY_TIMEOUT_S + ANSWER_S
+        sock.settimeout(ANSWER_S)
+        while sock.recv(4096):
+            pass  # the rest of the answer; then the server closes the connection
+    assert timed(client, "GET", "/readyz").status_code == 200
 
 
 # ---- the solver's own limits (item 6) ----------------------------------------------------

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: bearer token, body-size limit and per-request metrics.
+"""Pure ASGI middleware: bearer token, body-size and body-time limits, per-request metrics.
 
 Pure ASGI (not BaseHTTPMiddleware) because it runs on every request of a latency-bound
 service: it adds a few microseconds, and long-polls keep seeing client disconnects.
@@ -6,6 +6,7 @@ service: it adds a few microseconds, and long-polls keep seeing client disconnec
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -37,8 +38,9 @@ async def _reply(send: Any, status: int, detail: str, field: str | None = None,
 
 
 class AuthAndLimits:
-    """401 without the bearer token (if one is set), 413 above PLANNER_MAX_BODY_BYTES,
-    and request counts and latency for every answer."""
+    """401 without the bearer token (if one is set), 413 above PLANNER_MAX_BODY_BYTES, 408
+    when the body takes longer than PLANNER_BODY_TIMEOUT_S to arrive, and request counts
+    and latency for every answer."""
 
     def __init__(self, app: Any, service: PlannerService) -> None:
         self.app = app
@@ -46,6 +48,7 @@ class AuthAndLimits:
         token = service.settings.token_value()
         self.expected = f"Bearer {token}".encode() if token else None
         self.max_body = service.settings.max_body_bytes
+        self.body_timeout_s = service.settings.body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -80,21 +83,20 @@ class AuthAndLimits:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
             await self._too_large(send)
             return
-        # Read the body here, bounded, so chunked uploads cannot exceed the limit either.
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # client went away
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                await self._too_large(send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        # Read the body here, bounded in size and time, so chunked uploads cannot exceed
+        # the limit either and a trickling client cannot hold the connection.
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            await _reply(send, 408, f"request body not complete within {self.body_timeout_s:g} "
+                         "s (PLANNER_BODY_TIMEOUT_S)", "body", [(b"connection", b"close")])
+            return
+        if body is None:
+            return  # client went away
+        if len(body) > self.max_body:
+            await self._too_large(send)
+            return
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -105,6 +107,20 @@ class AuthAndLimits:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _read_body(self, receive: Any) -> bytes | None:
+        """The whole body (None if the client went away), read no further than one chunk
+        past ``max_body`` bytes."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            chunks.append(chunk)
+            if size > self.max_body or not message.get("more_body", False):
+                return b"".join(chunks)
 
     async def _too_large(self, send: Any) -> None:
         await _reply(send, 413, f"request body is larger than {self.max_body} bytes "

@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     """Largest ``options.time_limit_s`` a caller may ask of a strategy (e.g. ilp)."""
     max_body_bytes: int = Field(4 * 2**20, ge=1024, le=2**31)
     """HTTP request bodies and gRPC messages above this answer 413 / RESOURCE_EXHAUSTED."""
+    body_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """An HTTP request body not complete this long after its headers answers 408 and the
+    connection is closed (a client trickling its body cannot hold a connection forever)."""
     max_wait_ms: int = Field(30_000, ge=0, le=600_000)
     """Longest long-poll of GET /v1/jobs/{job}/batches/{batch}."""
     token: SecretStr | None = None
