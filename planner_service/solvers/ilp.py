@@ -30,8 +30,8 @@ Greedy first, exact second: the flashcp plan is the solution hint and the fallba
 CP-SAT finds nothing in time. Deterministic: one worker searches sequentially; several
 workers use CP-SAT's interleaved search; either way the limit is CP-SAT's deterministic
 time, so the same request gives the same plan byte for byte. A wall-clock guard
-(``WALL_GUARD`` x the limit + 1 s) stops a solve on an overloaded machine; a plan cut
-short by it says ``"deterministic": false`` in its info.
+(``WALL_GUARD`` x the limit + ``WALL_GUARD_BASE_S``, per CP-SAT solve) stops a solve on an
+overloaded machine; a plan cut short by it says ``"deterministic": false`` in its info.
 
 Plan info: ``status`` (OPTIMAL, FEASIBLE or FALLBACK), ``objective``,
 ``objective_value``, ``best_bound``, ``gap`` = (value - bound) / max(1, value) and
@@ -83,7 +83,13 @@ HEAD_DOCS_PER_RANK = 2
 MAX_WORKERS = 16
 MAX_MODEL_BOOLS = 50_000
 """Blocks x ranks above this are refused (raise the granularity) rather than solved."""
-WALL_GUARD = 2.0
+WALL_GUARD = 3.0
+WALL_GUARD_BASE_S = 2.0
+"""The wall-clock guard of one CP-SAT solve: ``WALL_GUARD`` x its deterministic limit +
+``WALL_GUARD_BASE_S``. Normal runs must stay well inside it: the full model's interleaved
+LNS overshoots its deterministic limit about 2x, and on this 2-core machine its wall time
+reached 3.1 x its limit (Pile-like 128K, N = 8, sequence 2: 2.84 s for 0.909 s), which the
+earlier guard of 2 x + 1 s cut short in 5 of 100 Pile-like solves there."""
 GROUP_SHARE = 0.4
 """The rank-group search from the hint runs until this share of the limit is spent."""
 RELAX_SHARE = 0.4
@@ -219,7 +225,7 @@ def _solver(limit_s: float, workers: int) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.max_deterministic_time = limit_s
-    p.max_time_in_seconds = WALL_GUARD * limit_s + 1.0
+    p.max_time_in_seconds = WALL_GUARD * limit_s + WALL_GUARD_BASE_S
     p.random_seed = 0
     p.num_workers = workers
     if workers > 1:
