@@ -79,6 +79,18 @@ def test_same_request_gives_the_same_plan_byte_for_byte(monkeypatch):
     assert first.to_json() == second.to_json()
 
 
+def test_a_solve_cut_short_by_the_wall_clock_guard_says_so(monkeypatch):
+    # A guard far below what any solve takes: every CP-SAT call ends on it, not on the
+    # deterministic limit, and the plan must not claim to be reproducible.
+    monkeypatch.setattr(ilp, "WALL_GUARD", 0.0)
+    monkeypatch.setattr(ilp, "WALL_GUARD_BASE_S", 1e-4)
+    docs = tuple(pack_sequences(make_source("code"), context_length=32768, num_sequences=1, seed=0)[0])
+    plan = solve(debug_request(strategy="ilp", doc_lengths=docs,
+                               options={"time_limit_s": 0.6, "workers": 2}))
+    assert plan.info["deterministic"] is False
+    validate_plan(plan)
+
+
 def test_time_limit_is_capped_by_the_module_constant(monkeypatch):
     monkeypatch.setattr(ilp, "MAX_TIME_LIMIT_S", 0.2)
     plan = solve(debug_request(strategy="ilp", options={"time_limit_s": 1000, "workers": 1}))

@@ -272,14 +272,19 @@ def _chosen(solver: cp_model.CpSolver, rows: Sequence[Sequence[cp_model.IntVar]]
 def _solve_model(model: cp_model.CpModel, limit_s: float,
                  workers: int) -> tuple[cp_model.CpSolver, str, float, bool]:
     """Solve with the deterministic configuration: the solver, CP-SAT's status name, the
-    deterministic time spent and whether the limit (not the wall-clock guard) ended it."""
+    deterministic time spent (the whole limit if the wall-clock guard ended it) and
+    whether the limit (not the guard) ended it."""
     solver = _solver(limit_s, workers)
     status = solver.StatusName(solver.Solve(model))
     assert status != "MODEL_INVALID", solver.SolutionInfo()
     response = solver.ResponseProto()
     guard_hit = response.wall_time >= 0.999 * solver.parameters.max_time_in_seconds
     deterministic = status in ("OPTIMAL", "INFEASIBLE") or not guard_hit
-    return solver, status, response.deterministic_time, deterministic
+    # A solve cut short by the guard counts its whole limit: the callers loop until their
+    # budget is spent, and a machine so loaded that CP-SAT does no deterministic work
+    # before the guard must still end the search.
+    spent = response.deterministic_time if deterministic else max(response.deterministic_time, limit_s)
+    return solver, status, spent, deterministic
 
 
 class _Search(NamedTuple):
