@@ -30,6 +30,7 @@ time.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 from bench.picked import add_arguments, picked_sequences
@@ -44,6 +45,8 @@ from planner_service.solvers.ilp_model import (
 from planner_service.solvers.ilp_relax import GRAINS, must_split
 
 NO_INCUMBENT = 2**62
+CP = ilp._Cp(workers=2, deadline=math.inf)
+"""2 CP-SAT workers; each stage has its own budget, and no deadline for the whole run."""
 """``ilp_ends`` stops at the incumbent's value; here it has none."""
 
 
@@ -73,7 +76,7 @@ def main() -> None:
         blocks = cut_blocks(lengths, 2048, cuts,
                             head_docs=ilp.head_docs(lengths, cuts, ilp.HEAD_DOCS_PER_RANK * n))
         hint = canonical_ranks(blocks, place_blocks(blocks, hint_shards), n)
-        subs = ilp._subproblems(blocks, lengths, n, tokens, cap, 2)
+        subs = ilp._subproblems(blocks, lengths, n, tokens, cap, CP)
         if args.search > 0:
             start = ilp._Search(hint, max(placement_values(blocks, hint, n)[2]), 0, 0.0, True)
             hint = subs.group_search(start, args.search, ilp.GROUP_STEP_SHARE * 10.0).ranks
@@ -83,14 +86,14 @@ def main() -> None:
                       build: Callable[..., BlockModel] = subs.relaxation) -> BlockModel:
                 return build(ranks, grain, 0)
 
-            bound, spent, _ = ilp._relaxed_stage(model, subs.relaxed_value, args.limit, 10.0, 2,
+            bound, spent, _ = ilp._relaxed_stage(model, subs.relaxed_value, args.limit, 10.0, CP,
                                                  subs.relaxed_ranks(hint))
             best = max(best, bound)
             last = grain == GRAINS[-1] and args.complete > 0
             done = completion(subs, blocks, lengths, n, tokens, cap, best, args) if last else "-"
             print(f"| {k} | {grain} | {bound} | {spent:.1f} | {done} |", flush=True)
         # The bound of ilp_ends alone, with the same budget and no incumbent to stop at.
-        bound, spent = subs.ends_bound(NO_INCUMBENT, args.limit)
+        bound, spent, _ = subs.ends_bound(NO_INCUMBENT, args.limit)
         print(f"| {k} | longest doc's ends | {bound} | {spent:.1f} | - |", flush=True)
 
 
@@ -101,7 +104,7 @@ def completion(subs: ilp._Subproblems, blocks: Blocks, lengths: list[int], n: in
     whether a placement of every block then reaches at most bound x (1 + ``--within``)."""
     relaxed = subs.relaxation(None, GRAINS[-1], 0)
     relaxed.model.Add(relaxed.comm_max <= bound)
-    kept_run = ilp._run(relaxed, None, args.complete, 1)
+    kept_run = ilp._run(relaxed, None, args.complete, CP._replace(workers=1))
     if kept_run.ranks is None:
         return f"no kept placement at {bound} ({kept_run.status})"
     target = int(bound * (1 + args.within))
@@ -110,7 +113,7 @@ def completion(subs: ilp._Subproblems, blocks: Blocks, lengths: list[int], n: in
     for b, rank in zip(kept, kept_run.ranks, strict=True):
         full.model.Add(full.x[b][rank] == 1)
     full.model.Add(full.comm_max <= target)
-    solver, status, dtime, _ = ilp._solve_model(full.model, args.complete, 2)
+    solver, status, dtime, _ = ilp._solve_model(full.model, args.complete, CP)
     if status in ("OPTIMAL", "FEASIBLE"):
         value = max(placement_values(blocks, ilp._chosen(solver, full.x), n)[2])
         return f"found {value} <= {target} in {dtime:.1f} s"

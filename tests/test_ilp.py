@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -88,6 +89,25 @@ def test_a_solve_cut_short_by_the_wall_clock_guard_says_so(monkeypatch):
     plan = solve(debug_request(strategy="ilp", doc_lengths=docs,
                                options={"time_limit_s": 0.6, "workers": 2}))
     assert plan.info["deterministic"] is False
+    validate_plan(plan)
+
+
+def test_the_whole_solve_stops_at_its_wall_clock_deadline(monkeypatch):
+    # Every CP-SAT call within its own (loose) guard, but the solve's deadline 50 ms after
+    # its start: a 10 s solve (about 10 s of wall time here) must end at once, in many
+    # short calls that each return at the deadline, and say it is not reproducible.
+    monkeypatch.setattr(ilp, "WALL_GUARD", 100.0)
+    monkeypatch.setattr(ilp._Cp, "start", classmethod(
+        lambda cls, workers, limit_s: cls(workers, time.monotonic() + 0.05)))
+    docs = tuple(pack_sequences(make_source("code"), context_length=131072, num_sequences=2,
+                                seed=0)[1])
+    request = debug_request(strategy="ilp", cp_size=4, doc_lengths=docs, context_length=131072,
+                            options={"time_limit_s": 10.0, "workers": 2})
+    started = time.monotonic()
+    plan = solve(request)
+    assert time.monotonic() - started < 4.0
+    assert plan.info["deterministic"] is False
+    assert plan.info["status"] in ("FEASIBLE", "FALLBACK")
     validate_plan(plan)
 
 

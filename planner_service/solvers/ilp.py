@@ -30,8 +30,11 @@ Greedy first, exact second: the flashcp plan is the solution hint and the fallba
 CP-SAT finds nothing in time. Deterministic: one worker searches sequentially; several
 workers use CP-SAT's interleaved search; either way the limit is CP-SAT's deterministic
 time, so the same request gives the same plan byte for byte. A wall-clock guard
-(``WALL_GUARD`` x the limit + ``WALL_GUARD_BASE_S``, per CP-SAT solve) stops a solve on an
-overloaded machine; a plan cut short by it says ``"deterministic": false`` in its info.
+(``WALL_GUARD`` x the limit + ``WALL_GUARD_BASE_S``) stops a solve on an overloaded
+machine, twice over: each CP-SAT call stops at the guard of its own limit, and no call runs
+past the guard of the whole solve's limit (from its start; so a solve of many short calls,
+each within its own guard, still ends in bounded time); a plan cut short by it says
+``"deterministic": false`` in its info.
 
 Plan info: ``status`` (OPTIMAL, FEASIBLE or FALLBACK), ``objective``,
 ``objective_value``, ``best_bound``, ``gap`` = (value - bound) / max(1, value) and
@@ -42,6 +45,7 @@ saving could still rise), plus the block count and the limits used.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -85,8 +89,8 @@ MAX_MODEL_BOOLS = 50_000
 """Blocks x ranks above this are refused (raise the granularity) rather than solved."""
 WALL_GUARD = 3.0
 WALL_GUARD_BASE_S = 2.0
-"""The wall-clock guard of one CP-SAT solve: ``WALL_GUARD`` x its deterministic limit +
-``WALL_GUARD_BASE_S``. Normal runs must stay well inside it: the full model's interleaved
+"""The wall-clock guard of a limit of deterministic time: ``WALL_GUARD`` x the limit +
+``WALL_GUARD_BASE_S``, for each CP-SAT call and for the whole solve. Normal runs must stay well inside it: the full model's interleaved
 LNS overshoots its deterministic limit about 2x, and on this 2-core machine its wall time
 reached 3.1 x its limit (Pile-like 128K, N = 8, sequence 2: 2.84 s for 0.909 s), which the
 earlier guard of 2 x + 1 s cut short in 5 of 100 Pile-like solves there."""
@@ -220,15 +224,30 @@ def workload_cap(doc_lengths: Sequence[int], num_ranks: int, target: float) -> i
     return cap
 
 
-def _solver(limit_s: float, workers: int) -> cp_model.CpSolver:
+class _Cp(NamedTuple):
+    """How one solve runs CP-SAT: its workers and its wall-clock deadline."""
+
+    workers: int
+    deadline: float
+    """``time.monotonic()`` after which no CP-SAT call of the solve runs on (the whole
+    solve's wall-clock guard, module docstring)."""
+
+    @classmethod
+    def start(cls, workers: int, limit_s: float) -> _Cp:
+        """The configuration of a solve of ``limit_s`` deterministic seconds starting now."""
+        return cls(workers, time.monotonic() + WALL_GUARD * limit_s + WALL_GUARD_BASE_S)
+
+
+def _solver(limit_s: float, cp: _Cp) -> cp_model.CpSolver:
     """A deterministic CP-SAT configuration (module docstring)."""
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.max_deterministic_time = limit_s
-    p.max_time_in_seconds = WALL_GUARD * limit_s + WALL_GUARD_BASE_S
+    p.max_time_in_seconds = max(0.0, min(WALL_GUARD * limit_s + WALL_GUARD_BASE_S,
+                                         cp.deadline - time.monotonic()))
     p.random_seed = 0
-    p.num_workers = workers
-    if workers > 1:
+    p.num_workers = cp.workers
+    if cp.workers > 1:
         p.interleave_search = True
         p.ignore_subsolvers.extend(_SLOW_SUBSOLVERS)
     return solver
@@ -244,15 +263,15 @@ class _Solve(NamedTuple):
     deterministic: bool
 
 
-def _run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, workers: int) -> _Solve:
+def _run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, cp: _Cp) -> _Solve:
     """Minimise ``target`` (None: find any solution) with the hint already set; the
     solution's rank per block."""
     if target is not None:
         bm.model.Minimize(target)
     # A yes/no question runs CP-SAT's default sequential search: its LP and probing refute
     # a v fastest (and interleaving every subsolver with a hint trips a CP-SAT check).
-    solver, status, dtime, deterministic = _solve_model(bm.model, limit_s,
-                                                        workers if target is not None else 1)
+    solver, status, dtime, deterministic = _solve_model(
+        bm.model, limit_s, cp if target is not None else cp._replace(workers=1))
     if status not in ("OPTIMAL", "FEASIBLE"):
         bound = int(math.ceil(solver.BestObjectiveBound())) if status == "UNKNOWN" else 0
         return _Solve(status, None, 0, max(bound, 0), dtime, deterministic)
@@ -270,11 +289,11 @@ def _chosen(solver: cp_model.CpSolver, rows: Sequence[Sequence[cp_model.IntVar]]
 
 
 def _solve_model(model: cp_model.CpModel, limit_s: float,
-                 workers: int) -> tuple[cp_model.CpSolver, str, float, bool]:
+                 cp: _Cp) -> tuple[cp_model.CpSolver, str, float, bool]:
     """Solve with the deterministic configuration: the solver, CP-SAT's status name, the
     deterministic time spent (the whole limit if the wall-clock guard ended it) and
     whether the limit (not the guard) ended it."""
-    solver = _solver(limit_s, workers)
+    solver = _solver(limit_s, cp)
     status = solver.StatusName(solver.Solve(model))
     assert status != "MODEL_INVALID", solver.SolutionInfo()
     response = solver.ResponseProto()
@@ -304,12 +323,12 @@ class _Search(NamedTuple):
 
 
 def _ask(state: _Search, v: int, build: Callable[[list[int]], BlockModel],
-         value_of: Callable[[list[int]], int], limit: float, workers: int) -> tuple[_Search, bool]:
+         value_of: Callable[[list[int]], int], limit: float, cp: _Cp) -> tuple[_Search, bool]:
     """One yes/no question: is there a placement whose critical-path KV is at most v?
     Returns the new state and whether the question was decided."""
     bm = build(state.ranks)
     bm.model.Add(bm.comm_max <= v)
-    run = _run(bm, None, limit, workers)
+    run = _run(bm, None, limit, cp)
     state = state._replace(spent=state.spent + run.dtime,
                            deterministic=state.deterministic and run.deterministic)
     if run.status == "INFEASIBLE":
@@ -324,7 +343,7 @@ def _ask(state: _Search, v: int, build: Callable[[list[int]], BlockModel],
 
 def _bisect(state: _Search, build: Callable[[list[int]], BlockModel],
             value_of: Callable[[list[int]], int], budget: float, limit: float,
-            workers: int) -> _Search:
+            cp: _Cp) -> _Search:
     """Narrow [bound, value) with yes/no questions at its midpoint until ``budget``
     deterministic seconds are spent or ``MAX_UNDECIDED`` questions in a row stay open.
 
@@ -339,7 +358,7 @@ def _bisect(state: _Search, build: Callable[[list[int]], BlockModel],
     while state.bound < high and budget - state.spent > 1e-3 and undecided < MAX_UNDECIDED:
         v = (state.bound + high - 1) // 2
         state, decided = _ask(state, v, build, value_of,
-                              min(PROBE_SHARE * limit, budget - state.spent), workers)
+                              min(PROBE_SHARE * limit, budget - state.spent), cp)
         high = min(high, state.value, v) if decided else v
         undecided = 0 if decided else undecided + 1
     return state
@@ -355,9 +374,10 @@ class _Subproblems(NamedTuple):
     """The critical-path KV of a placement of the relaxation's blocks."""
     relaxed_ranks: Callable[[list[int]], list[int]]
     """The placement of the relaxation's blocks in a placement of the full model's."""
-    ends_bound: Callable[[int, float], tuple[int, float]]
+    ends_bound: Callable[[int, float], tuple[int, float, bool]]
     """``ilp_ends.ends_bound`` on the longest doc, stopping at the given incumbent value,
-    within the given deterministic seconds: the bound and the time spent."""
+    within the given deterministic seconds: the bound, the time spent and whether the
+    deadline left it alone."""
     group_search: Callable[[_Search, float, float], _Search]
     """Improves the incumbent by ``ilp_lns.descend`` until the given deterministic second
     of the limit."""
@@ -385,7 +405,7 @@ def _ask_whole(state: _Search, subs: _Subproblems, limit_s: float,
 
 def _relaxed_bound(build: Callable[[list[int] | None, str, int], BlockModel],
                    value_of: Callable[[list[int]], int], budget: float, limit: float,
-                   workers: int, hint: list[int], floor: int) -> tuple[int, float, bool]:
+                   cp: _Cp, hint: list[int], floor: int) -> tuple[int, float, bool]:
     """A proven lower bound on the full model's critical-path KV from the relaxations of
     :mod:`.ilp_relax`, at least ``floor`` (a bound already proven), within ``budget``
     deterministic seconds: first with the fluid as token positions, then, in what is
@@ -402,7 +422,7 @@ def _relaxed_bound(build: Callable[[list[int] | None, str, int], BlockModel],
             return build(ranks, grain, floor)
 
         stage, stage_spent, stage_deterministic = _relaxed_stage(
-            model, value_of, budget - spent, limit, workers, hint)
+            model, value_of, budget - spent, limit, cp, hint)
         bound, spent = max(bound, stage), spent + stage_spent
         deterministic = deterministic and stage_deterministic
     return bound, spent, deterministic
@@ -410,25 +430,25 @@ def _relaxed_bound(build: Callable[[list[int] | None, str, int], BlockModel],
 
 def _relaxed_stage(build: Callable[[list[int] | None], BlockModel],
                    value_of: Callable[[list[int]], int], budget: float, limit: float,
-                   workers: int, hint: list[int]) -> tuple[int, float, bool]:
+                   cp: _Cp, hint: list[int]) -> tuple[int, float, bool]:
     """One relaxation's bound within ``budget``: one optimisation run, then the question
     "below its value?" (usually refuted at once, and then the relaxation is solved), then
     ``_bisect``. Returns the bound, the time spent and whether it was deterministic."""
     bm = build(hint)
-    run = _run(bm, bm.comm_max, budget / 2, workers)
+    run = _run(bm, bm.comm_max, budget / 2, cp)
     if run.ranks is None:
         return run.bound, run.dtime, run.deterministic
     state = _Search(run.ranks, value_of(run.ranks), run.bound, run.dtime, run.deterministic)
     if state.bound < state.value and budget - state.spent > 1e-3:
         state, _ = _ask(state, state.value - 1, build, value_of,
-                        min(PROBE_SHARE * limit, budget - state.spent), workers)
-    state = _bisect(state, build, value_of, budget, limit, workers)
+                        min(PROBE_SHARE * limit, budget - state.spent), cp)
+    state = _bisect(state, build, value_of, budget, limit, cp)
     return min(state.bound, state.value), state.spent, state.deterministic
 
 
 def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
                 value_of: Callable[[list[int]], int], subs: _Subproblems, limit: float,
-                workers: int) -> _Solve:
+                cp: _Cp) -> _Solve:
     """Minimise the critical-path KV in steps within ``limit`` deterministic seconds.
 
     0. If every doc fits whole on a rank, ask first whether every doc can stay whole (a
@@ -453,12 +473,13 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
         state = _ask_whole(state, subs, ZERO_SHARE * limit, value_of)
     if state.bound < state.value:
         state = subs.group_search(state, GROUP_SHARE * limit, GROUP_STEP_SHARE * limit)
-        bound, ends_spent = subs.ends_bound(state.value, ENDS_SHARE * limit)
-        state = state._replace(bound=max(state.bound, bound), spent=state.spent + ends_spent)
+        bound, ends_spent, deterministic = subs.ends_bound(state.value, ENDS_SHARE * limit)
+        state = state._replace(bound=max(state.bound, bound), spent=state.spent + ends_spent,
+                               deterministic=state.deterministic and deterministic)
         if state.bound < state.value:
             bound, spent, deterministic = _relaxed_bound(
                 subs.relaxation, subs.relaxed_value, RELAX_SHARE * limit - ends_spent, limit,
-                workers, subs.relaxed_ranks(state.ranks), state.bound)
+                cp, subs.relaxed_ranks(state.ranks), state.bound)
             state = state._replace(bound=max(state.bound, bound), spent=state.spent + spent,
                                    deterministic=state.deterministic and deterministic)
     if state.bound == 0 < state.value and not asked:
@@ -468,7 +489,7 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
     if state.bound < state.value and (1 - BISECT_SHARE) * limit > state.spent + 1e-3:
         bm = build(state.ranks)
         bm.model.Add(bm.comm_max >= state.bound)
-        run = _run(bm, bm.comm_max, (1 - BISECT_SHARE) * limit - state.spent, workers)
+        run = _run(bm, bm.comm_max, (1 - BISECT_SHARE) * limit - state.spent, cp)
         state = state._replace(spent=state.spent + run.dtime,
                                deterministic=state.deterministic and run.deterministic,
                                bound=max(state.bound, run.bound))
@@ -476,7 +497,7 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
             state = state._replace(found=True)
             if value_of(run.ranks) < state.value:
                 state = state._replace(ranks=run.ranks, value=value_of(run.ranks))
-    state = _bisect(state, build, value_of, limit, limit, workers)
+    state = _bisect(state, build, value_of, limit, limit, cp)
     bound = min(state.bound, state.value)
     status = "OPTIMAL" if bound == state.value else "FEASIBLE"
     if status == "FEASIBLE" and not state.found:
@@ -485,7 +506,7 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
 
 
 def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap: int, cap: int,
-                 workers: int) -> _Subproblems:
+                 cp: _Cp) -> _Subproblems:
     """The subproblems of this instance (see ``_solve_comm``)."""
     kept = must_split(doc_lengths, tokens_cap, cap)
     keep = set(kept)
@@ -508,7 +529,7 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
     def whole_docs(limit_s: float) -> _Solve:
         model, y = whole_doc_model(doc_lengths, n, token_cap=tokens_cap, work_cap=cap)
         # A yes/no question: sequential search, as in ``_run``.
-        solver, status, dtime, deterministic = _solve_model(model, limit_s, 1)
+        solver, status, dtime, deterministic = _solve_model(model, limit_s, cp._replace(workers=1))
         if status not in ("OPTIMAL", "FEASIBLE"):
             return _Solve(status, None, 0, 0, dtime, deterministic)
         rank_of = _chosen(solver, y)
@@ -517,7 +538,7 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
 
     def group_search(state: _Search, until: float, step_limit: float) -> _Search:
         def solve(gm: GroupModel, limit_s: float) -> Step:
-            solver, status, dtime, det = _solve_model(gm.model, limit_s, workers)
+            solver, status, dtime, det = _solve_model(gm.model, limit_s, cp)
             if status not in ("OPTIMAL", "FEASIBLE"):
                 return Step(None, dtime, det, status == "INFEASIBLE")
             return Step([gm.group[j] for j in _chosen(solver, gm.x)], dtime, det,
@@ -540,14 +561,15 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
     doc = sub_blocks(blocks, [longest])
     others = sub_blocks(blocks, [d for d in range(len(doc_lengths)) if d != longest])
 
-    def longest_ends(stop_at: int, budget: float) -> tuple[int, float]:
+    def longest_ends(stop_at: int, budget: float) -> tuple[int, float, bool]:
         # The LPs' and the leaves' time as ``ilp_ends`` counts them.
         leaves = (1 - ENDS_LP_SHARE) * budget
         run = ends_bound(doc, others, n, token_cap=tokens_cap, work_cap=cap,
                          token_floor=token_floor(sum(doc_lengths), n, tokens_cap),
                          lp_budget_s=ENDS_LP_SHARE * budget, stop_at=stop_at,
-                         leaf_limit_s=ENDS_LEAF_SHARE * leaves, leaf_budget_s=leaves)
-        return run.bound, run.lp_seconds + run.leaf_seconds
+                         leaf_limit_s=ENDS_LEAF_SHARE * leaves, leaf_budget_s=leaves,
+                         deadline=cp.deadline)
+        return run.bound, run.lp_seconds + run.leaf_seconds, run.deterministic
 
     return _Subproblems(relaxation_model, relaxed_value, relaxed_ranks, longest_ends, group_search,
                         whole_docs, all_fit)
@@ -562,6 +584,7 @@ def solve_blocks(
     placement at this granularity meets R.
     """
     n = num_ranks
+    cp = _Cp.start(options.workers, options.time_limit_s)
     cap = workload_cap(doc_lengths, n, target) if options.objective == "comm" else None
     hint_shards, _ = flashcp_shards(doc_lengths, n, target)
     cuts = layout_cuts(hint_shards)
@@ -589,13 +612,13 @@ def solve_blocks(
         if hint_ok:
             assert cap is not None
             run = _solve_comm(hint, hinted, comm_of,
-                              _subproblems(blocks, doc_lengths, n, tokens_cap, cap, options.workers),
-                              options.time_limit_s, options.workers)
+                              _subproblems(blocks, doc_lengths, n, tokens_cap, cap, cp),
+                              options.time_limit_s, cp)
         else:  # flashcp misses R: no incumbent to question from, and no hint: a hint that
             # breaks the model's caps, on a model CP-SAT proves infeasible, aborts CP-SAT
             # 9.10's interleaved search (see ``_subproblems``).
             bm = model()
-            run = _run(bm, bm.comm_max, options.time_limit_s, options.workers)
+            run = _run(bm, bm.comm_max, options.time_limit_s, cp)
         if run.status == "INFEASIBLE":
             raise ValueError(
                 f"imbalance_target {target} cannot be met with granularity {options.granularity}: "
@@ -609,7 +632,7 @@ def solve_blocks(
     # Balance: min max workload, then min comm at that workload.
     bm = model()
     add_hint(bm, blocks, hint, n)
-    first = _run(bm, bm.work_max, options.time_limit_s / 2, options.workers)
+    first = _run(bm, bm.work_max, options.time_limit_s / 2, cp)
     if first.ranks is None:
         return _finish(blocks, n, first, hint, max(hint_loads), max(hint_loads),
                        lambda ranks: max(placement_values(blocks, ranks, n)[1]), first.deterministic)
@@ -617,7 +640,7 @@ def solve_blocks(
     bm = model(extra_work_cap=best_work)
     add_hint(bm, blocks, first.ranks, n)
     rest = max(options.time_limit_s - first.dtime, options.time_limit_s / 2)
-    second = _run(bm, bm.comm_max, rest, options.workers)
+    second = _run(bm, bm.comm_max, rest, cp)
     ranks = second.ranks or first.ranks
     status = "OPTIMAL" if first.status == second.status == "OPTIMAL" else "FEASIBLE"
     return IlpResult(

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from typing import NamedTuple
 
 from ortools.linear_solver import pywraplp
@@ -72,6 +73,8 @@ class EndsBound(NamedTuple):
     """Their time, counted as ``LP_NODE_S`` and ``LP_WORK_S`` say."""
     leaf_seconds: float
     """The leaves' time, counted as ``LEAF_BASE_S`` and ``LEAF_DTIME_FACTOR`` say."""
+    deterministic: bool = True
+    """False if the wall-clock deadline, not the budgets, ended the search."""
 
 
 class EndsData(NamedTuple):
@@ -238,9 +241,9 @@ class Leaves:
                 assert last is not None
                 model.Add(last == 1)  # the rank holds the block its part ends with
                 # D's KV on rank k: its end minus what it holds.
-                held = [(var, self.size[b]) for b, row in enumerate(x) if (var := row[k]) is not None]
+                held = [(on, self.size[b]) for b, row in enumerate(x) if (on := row[k]) is not None]
                 model.Add(self.position[end] - cp_model.LinearExpr.WeightedSum(
-                    [var for var, _ in held], [size for _, size in held]) <= v)
+                    [on for on, _ in held], [size for _, size in held]) <= v)
         # --- Objective ----------------------------------------------------------------
         model.Minimize(v)
         return model, x
@@ -248,29 +251,34 @@ class Leaves:
 
 def ends_bound(doc: Blocks, fluid: Blocks, num_ranks: int, *, token_cap: int, work_cap: int,
                token_floor: int, lp_budget_s: float, stop_at: int, leaf_limit_s: float,
-               leaf_budget_s: float) -> EndsBound:
+               leaf_budget_s: float, deadline: float = math.inf) -> EndsBound:
     """The bound of the module docstring for the doc whose blocks are ``doc`` (one doc,
     ``ilp_relax.sub_blocks``) and the fluid of every other doc's blocks.
 
     ``lp_budget_s``: no node is split once the LPs' time (``lp_seconds``) reaches it;
     ``stop_at``: the incumbent's value (a bound there proves it optimal); a leaf's CP-SAT
     solve gets at most ``leaf_limit_s`` deterministic seconds, and once the leaves' time
-    (``leaf_seconds``) reaches ``leaf_budget_s``, a leaf keeps its LP bound."""
+    (``leaf_seconds``) reaches ``leaf_budget_s``, a leaf keeps its LP bound. The search
+    also stops at ``deadline`` (``time.monotonic()``; the caller's wall-clock guard), with
+    the bound proven so far."""
     n = num_ranks
     data = ends_data(doc, fluid)
     lp = _Lp(data, n, token_cap, work_cap, token_floor)
     leaves = Leaves(data, n, token_cap=token_cap, work_cap=work_cap, token_floor=token_floor)
     top = len(lp.ends) - 1
-    start = _narrow([0] * n, [top] * n, n - 1, top, top)
-    assert start is not None
-    lo, hi = start
+    whole = _narrow([0] * n, [top] * n, n - 1, top, top)
+    assert whole is not None
+    lo, hi = whole
     root = lp.solve(lo, hi)
     if root is None:
         return EndsBound(stop_at, 1, lp.seconds, 0.0)  # no placement meets the caps
     # Open nodes: (bound, order, lo, hi, solved) with solved = the leaf's exact solve done.
     heap = [(root, 0, lo, hi, False)]
-    nodes, order, leaf_seconds = 1, 1, 0.0
+    nodes, order, leaf_seconds, deterministic = 1, 1, 0.0, True
     while heap and lp.seconds < lp_budget_s and heap[0][0] < stop_at:
+        if time.monotonic() >= deadline:
+            deterministic = False
+            break
         bound, _, lo, hi, solved = heap[0]
         if solved:
             break  # the least open node is a leaf solved as far as it goes
@@ -279,8 +287,10 @@ def ends_bound(doc: Blocks, fluid: Blocks, num_ranks: int, *, token_cap: int, wo
         if not wide:  # a leaf: solve it exactly while the budget lasts
             leaf: int | None = bound
             if leaf_seconds < leaf_budget_s:
-                leaf, dtime = _solve_leaf(leaves, lo, min(leaf_limit_s, leaf_budget_s - leaf_seconds))
+                leaf, dtime, in_time = _solve_leaf(
+                    leaves, lo, min(leaf_limit_s, leaf_budget_s - leaf_seconds), deadline)
                 leaf_seconds += LEAF_BASE_S + LEAF_DTIME_FACTOR * dtime
+                deterministic = deterministic and in_time
             if leaf is not None:
                 heapq.heappush(heap, (max(bound, leaf), order, lo, hi, True))
                 order += 1
@@ -297,7 +307,7 @@ def ends_bound(doc: Blocks, fluid: Blocks, num_ranks: int, *, token_cap: int, wo
                 heapq.heappush(heap, (max(bound, value), order, *child, False))
                 order += 1
     return EndsBound(min(heap[0][0], stop_at) if heap else stop_at, nodes, lp.seconds,
-                     leaf_seconds)
+                     leaf_seconds, deterministic)
 
 
 def _narrow(lo: list[int], hi: list[int], k: int, start: int,
@@ -316,16 +326,21 @@ def _narrow(lo: list[int], hi: list[int], k: int, start: int,
     return lo, hi
 
 
-def _solve_leaf(leaves: Leaves, ends: list[int], limit_s: float) -> tuple[int | None, float]:
-    """CP-SAT's proven bound on a leaf (None if infeasible) and the deterministic time."""
+def _solve_leaf(leaves: Leaves, ends: list[int], limit_s: float,
+                deadline: float) -> tuple[int | None, float, bool]:
+    """CP-SAT's proven bound on a leaf (None if infeasible), the deterministic time, and
+    whether the deterministic limit (not ``deadline``) ended the solve."""
     model, _ = leaves.model(ends)
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = limit_s
+    solver.parameters.max_time_in_seconds = max(0.0, deadline - time.monotonic())
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     status = solver.Solve(model)
-    dtime = solver.ResponseProto().deterministic_time
+    response = solver.ResponseProto()
+    in_time = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE) \
+        or response.wall_time < 0.999 * solver.parameters.max_time_in_seconds
     if status == cp_model.INFEASIBLE:
-        return None, dtime
+        return None, response.deterministic_time, in_time
     assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN), solver.StatusName(status)
-    return max(0, math.ceil(solver.BestObjectiveBound() - 1e-6)), dtime
+    return max(0, math.ceil(solver.BestObjectiveBound() - 1e-6)), response.deterministic_time, in_time
