@@ -24,6 +24,8 @@ ANSWER_S = 1.0
 """Every hostile request is answered within this (issue 7)."""
 BODY_TIMEOUT_S = 2.0
 """PLANNER_BODY_TIMEOUT_S of the test server."""
+HEADER_TIMEOUT_S = 2.0
+"""PLANNER_HEADER_TIMEOUT_S of the test server."""
 MAX_BODY = 4 * 2**20
 RSS_GROWTH_MIB = 64
 """Bound on the server's RSS growth over the whole suite (a 100 MB body never lands)."""
@@ -61,7 +63,8 @@ class RssWatch:
 @pytest.fixture(scope="module")
 def server():
     env = {"PLANNER_MAX_TIME_LIMIT_S": "2", "PLANNER_MAX_BODY_BYTES": str(MAX_BODY),
-           "PLANNER_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
+           "PLANNER_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+           "PLANNER_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)}
     with ServerProcess(workers=1, grpc=False, env=env) as s:
         yield s
 
@@ -346,6 +349,42 @@ def test_a_trickling_body_is_cut_off_at_the_body_timeout(server, client):
         sock.settimeout(ANSWER_S)
         while sock.recv(4096):
             pass  # the rest of the answer; then the server closes the connection
+    assert timed(client, "GET", "/readyz").status_code == 200
+
+
+def _trickle_until_closed(sock: socket.socket, piece: bytes, within_s: float) -> float | None:
+    """Send ``piece`` every 0.1 s until the server closes the connection; the seconds that
+    took, or None if it stayed open ``within_s``."""
+    start = time.monotonic()
+    while time.monotonic() - start < within_s:
+        try:
+            sock.send(piece)
+            if select.select([sock], [], [], 0.1)[0] and sock.recv(4096) == b"":
+                return time.monotonic() - start
+        except OSError:  # reset: closed too
+            return time.monotonic() - start
+    return None
+
+
+def test_headers_trickling_in_are_cut_off_at_the_header_timeout(server, client):
+    # A new connection whose headers never end.
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v1/plan HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        closed = _trickle_until_closed(sock, b"a", HEADER_TIMEOUT_S + ANSWER_S)
+        assert closed is not None and HEADER_TIMEOUT_S - 0.2 <= closed < HEADER_TIMEOUT_S + ANSWER_S
+    # A kept-alive connection: one request answered, then the next one's headers trickle.
+    with _connect(server) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_status(sock, ANSWER_S) == 200
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        closed = _trickle_until_closed(sock, b"a", HEADER_TIMEOUT_S + ANSWER_S)
+        assert closed is not None and closed < HEADER_TIMEOUT_S + ANSWER_S
+    # Headers that take a while but end within the timeout are served.
+    with _connect(server) as sock:
+        for piece in (b"GET /healthz HTTP/1.1\r\n", b"Host: x\r\n", b"\r\n"):
+            sock.sendall(piece)
+            time.sleep(HEADER_TIMEOUT_S / 4)
+        assert _read_status(sock, ANSWER_S) == 200
     assert timed(client, "GET", "/readyz").status_code == 200
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from planner_service.service.grpc_server import GrpcServer, start_grpc
+from planner_service.service.header_deadline import protocol_with_header_timeout
 from planner_service.service.http_app import create_app
 from planner_service.service.ops import PlannerService
 from planner_service.service.settings import Settings
@@ -50,7 +51,7 @@ async def serve(settings: Settings) -> int:
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level,
         access_log=False, lifespan="on",
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
-        server_header=False)
+        server_header=False, http=protocol_with_header_timeout(settings.header_timeout_s))
     http = _Uvicorn(config)
     grpc_server: GrpcServer | None = None
     stop = asyncio.Event()

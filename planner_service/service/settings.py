@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0, le=3600)
     """An HTTP request body not complete this long after its headers answers 408 and the
     connection is closed (a client trickling its body cannot hold a connection forever)."""
+    header_timeout_s: float = Field(10.0, gt=0, le=3600)
+    """An HTTP connection whose request line and headers are not complete this long after
+    it opened (or after its previous response) is closed (slowloris)."""
     max_wait_ms: int = Field(30_000, ge=0, le=600_000)
     """Longest long-poll of GET /v1/jobs/{job}/batches/{batch}."""
     token: SecretStr | None = None
