@@ -20,9 +20,11 @@ models: a branch and bound on where each rank's part of the longest doc ends
 (:mod:`.ilp_relax`: the docs that cannot stay whole as blocks, the rest as a fluid of
 token positions, then of blocks) solved to optimality where the time allows, and the
 question "can every doc stay whole?"
-(``ilp_model.whole_doc_model``). Placements come from rank-group steps (:mod:`.ilp_lns`:
-the blocks of the rank receiving most and one or two partners re-placed exactly by a
-small model, the other ranks fixed), then from CP-SAT's LNS on the full model; a last
+(``ilp_model.whole_doc_model``). Placements come from a restricted model asked for one
+within 1% of the bound (:mod:`.ilp_fill`: every other doc whole or cut once, where the
+longest doc fits on a rank), from rank-group steps (:mod:`.ilp_lns`: the blocks of the
+rank receiving most and one or two partners re-placed exactly by a small model, the
+other ranks fixed), then from CP-SAT's LNS on the full model; a last
 bisection of yes/no questions "is there a placement whose
 critical-path KV is at most v?" (hard constraint, strong propagation) raises the bound.
 
@@ -64,6 +66,7 @@ from planner_service.solvers.ilp_blocks import (
     place_blocks,
 )
 from planner_service.solvers.ilp_ends import ends_bound
+from planner_service.solvers.ilp_fill import fill_model, fill_ranks, option_count
 from planner_service.solvers.ilp_lns import GroupModel, Step, descend
 from planner_service.solvers.ilp_model import (
     OBJECTIVES,
@@ -107,6 +110,14 @@ ENDS_LEAF_SHARE = 0.1
 """Most of the leaves' budget any one leaf's CP-SAT solve may take."""
 ZERO_SHARE = 0.15
 """Most of the time limit the question "can every doc stay whole?" may take."""
+FILL_SHARE = 0.2
+"""Most of the time limit the question of :mod:`.ilp_fill` (a placement within
+``FILL_GAP`` of the bound) may take."""
+FILL_RELAX_SHARE = 0.55
+"""``RELAX_SHARE`` where the bound comes first and the fill question follows (the
+longest doc fits on a rank, ``_solve_comm``)."""
+FILL_GAP = 0.01
+"""The relative gap the fill question asks for: the acceptance target of the ILP."""
 SEARCH_SHARE = 0.8
 """The rank-group search resumes after the bound until this share of the limit is spent."""
 BISECT_SHARE = 0.1
@@ -381,6 +392,13 @@ class _Subproblems(NamedTuple):
     group_search: Callable[[_Search, float, float], _Search]
     """Improves the incumbent by ``ilp_lns.descend`` until the given deterministic second
     of the limit."""
+    fill: Callable[[int, float], _Solve]
+    """Asks, within the given deterministic seconds, the restricted model of
+    :mod:`.ilp_fill` for a placement whose critical-path KV is at most the given value."""
+    fill_first: bool
+    """Whether the longest doc fits on a rank (at most T tokens): then the relaxation is
+    usually solved, and the bound and the fill question come before the rank-group
+    steps (``_solve_comm``)."""
     whole_docs: Callable[[float], _Solve]
     """Asks, within the given deterministic seconds, whether every doc can stay whole
     (``ilp_model.whole_doc_model``); a YES comes as a placement of the full model's blocks."""
@@ -399,6 +417,21 @@ def _ask_whole(state: _Search, subs: _Subproblems, limit_s: float,
     if run.status == "INFEASIBLE":
         return state._replace(bound=max(state.bound, 1))
     if run.ranks is not None:
+        return state._replace(ranks=run.ranks, value=value_of(run.ranks), found=True)
+    return state
+
+
+def _fill(state: _Search, subs: _Subproblems, limit_s: float,
+          value_of: Callable[[list[int]], int]) -> _Search:
+    """The question of :mod:`.ilp_fill`: a placement within ``FILL_GAP`` of the bound (the
+    largest v with (v - bound) / v < FILL_GAP)? A NO proves nothing about the full model."""
+    v = math.ceil(state.bound / (1 - FILL_GAP)) - 1
+    if not 0 < state.bound <= v < state.value:
+        return state
+    run = subs.fill(v, limit_s)
+    state = state._replace(spent=state.spent + run.dtime,
+                           deterministic=state.deterministic and run.deterministic)
+    if run.ranks is not None and value_of(run.ranks) < state.value:
         return state._replace(ranks=run.ranks, value=value_of(run.ranks), found=True)
     return state
 
@@ -453,14 +486,18 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
 
     0. If every doc fits whole on a rank, ask first whether every doc can stay whole (a
        packing model of its own, in ``ZERO_SHARE``): YES is optimal (KV 0).
-    1. Search: rank-group steps from the hint (:mod:`.ilp_lns`), until ``GROUP_SHARE``.
+    1. Search: rank-group steps from the hint (:mod:`.ilp_lns`), until ``GROUP_SHARE``;
+       skipped where the longest doc fits on a rank (``fill_first``: there the bound
+       below is usually solved, and step 2's question finds most placements).
     2. Bound: branch on the longest doc's ends (:mod:`.ilp_ends`, in ``ENDS_SHARE``),
        then, from that bound as a floor, solve the relaxations of :mod:`.ilp_relax` (the
        docs that cannot stay whole as blocks, the rest as a fluid of positions, then of
        blocks; ``_relaxed_bound``), hinted with the incumbent's blocks of those docs, in
-       what is left of ``RELAX_SHARE``; these bounds hold for the full model, where
-       CP-SAT's own LP bound is near 0. If the bound is 0 (and step 0 did not run), ask
-       the question of step 0.
+       what is left of ``RELAX_SHARE`` (``FILL_RELAX_SHARE`` with ``fill_first``); these
+       bounds hold for the full model, where CP-SAT's own LP bound is near 0. If the
+       bound is 0 (and step 0 did not run), ask the question of step 0. With
+       ``fill_first``, then ask the restricted model of :mod:`.ilp_fill` for a placement
+       within ``FILL_GAP`` of the bound (``_fill``, in ``FILL_SHARE``).
     3. Search again with rank-group steps until ``SEARCH_SHARE``, then optimise the full
        model from the incumbent with ``comm_max >= bound`` (CP-SAT's LNS), leaving
        ``BISECT_SHARE`` of the limit.
@@ -472,18 +509,22 @@ def _solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
     if asked:  # cheap, and a YES ends the search
         state = _ask_whole(state, subs, ZERO_SHARE * limit, value_of)
     if state.bound < state.value:
-        state = subs.group_search(state, GROUP_SHARE * limit, GROUP_STEP_SHARE * limit)
+        if not subs.fill_first:
+            state = subs.group_search(state, GROUP_SHARE * limit, GROUP_STEP_SHARE * limit)
         bound, ends_spent, deterministic = subs.ends_bound(state.value, ENDS_SHARE * limit)
         state = state._replace(bound=max(state.bound, bound), spent=state.spent + ends_spent,
                                deterministic=state.deterministic and deterministic)
         if state.bound < state.value:
+            share = FILL_RELAX_SHARE if subs.fill_first else RELAX_SHARE
             bound, spent, deterministic = _relaxed_bound(
-                subs.relaxation, subs.relaxed_value, RELAX_SHARE * limit - ends_spent, limit,
+                subs.relaxation, subs.relaxed_value, share * limit - ends_spent, limit,
                 cp, subs.relaxed_ranks(state.ranks), state.bound)
             state = state._replace(bound=max(state.bound, bound), spent=state.spent + spent,
                                    deterministic=state.deterministic and deterministic)
     if state.bound == 0 < state.value and not asked:
         state = _ask_whole(state, subs, ZERO_SHARE * limit, value_of)
+    if subs.fill_first and state.bound < state.value:
+        state = _fill(state, subs, FILL_SHARE * limit, value_of)
     if state.bound < state.value:
         state = subs.group_search(state, SEARCH_SHARE * limit, GROUP_STEP_SHARE * limit)
     if state.bound < state.value and (1 - BISECT_SHARE) * limit > state.spent + 1e-3:
@@ -536,6 +577,23 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
         ranks = canonical_ranks(blocks, [rank_of[block.doc] for block in blocks.blocks], n)
         return _Solve(status, ranks, 0, 0, dtime, deterministic)
 
+    fluid_docs = [d for d in range(len(doc_lengths)) if d not in keep]
+
+    def fill(v: int, limit_s: float) -> _Solve:
+        if option_count(blocks, fluid_docs, n) > MAX_MODEL_BOOLS:
+            return _Solve("UNKNOWN", None, 0, 0, 0.0, True)  # too large to be quick
+        fm = fill_model(blocks, kept, fluid_docs, n, token_cap=tokens_cap, work_cap=cap)
+        fm.model.Add(fm.comm_max <= v)
+        # A yes/no question: sequential search, as in ``_run``.
+        solver, status, dtime, deterministic = _solve_model(fm.model, limit_s,
+                                                            cp._replace(workers=1))
+        if status not in ("OPTIMAL", "FEASIBLE"):
+            return _Solve(status, None, 0, 0, dtime, deterministic)
+        chosen = [next(option for option, on in doc if solver.BooleanValue(on))
+                  for doc in fm.options]
+        ranks = fill_ranks(blocks, kept, fluid_docs, _chosen(solver, fm.kept_x), chosen)
+        return _Solve(status, canonical_ranks(blocks, ranks, n), 0, 0, dtime, deterministic)
+
     def group_search(state: _Search, until: float, step_limit: float) -> _Search:
         def solve(gm: GroupModel, limit_s: float) -> Step:
             solver, status, dtime, det = _solve_model(gm.model, limit_s, cp)
@@ -572,7 +630,7 @@ def _subproblems(blocks: Blocks, doc_lengths: Sequence[int], n: int, tokens_cap:
         return run.bound, run.lp_seconds + run.leaf_seconds, run.deterministic
 
     return _Subproblems(relaxation_model, relaxed_value, relaxed_ranks, longest_ends, group_search,
-                        whole_docs, all_fit)
+                        fill, doc_lengths[longest] <= tokens_cap, whole_docs, all_fit)
 
 
 def solve_blocks(
