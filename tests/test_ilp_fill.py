@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from ortools.sat.python import cp_model
 from test_ilp_bruteforce import comm_case, tiny_instances
 
+from planner_service.solvers import ilp
 from planner_service.solvers.ilp_fill import Option, fill_model, fill_ranks, option_count
 from planner_service.solvers.ilp_model import placement_values, token_floor
 from planner_service.solvers.ilp_relax import must_split, sub_blocks
@@ -78,3 +79,24 @@ def test_fill_model_optimum_is_its_enumerated_optimum_and_never_below_the_full_o
     tokens, loads, recv = placement_values(blocks, fill_ranks(blocks, kept, fluid, kept_ranks, chosen), n)
     assert max(tokens) <= case.tokens and max(loads) <= case.cap
     assert max(recv) == expected
+
+
+def test_fill_question_asks_for_the_largest_value_within_the_gap():
+    # v is the largest value with (v - bound) / v < 1%, exactly: 99 -> 99 (100 would be a
+    # gap of exactly 1%), 100 -> 101; no question once the incumbent is already within it.
+    asked = []
+
+    class Subs:
+        def fill(self, v, limit_s):
+            asked.append(v)
+            return ilp._Solve("UNKNOWN", None, 0, 0, 0.5, True)
+
+    for bound, v in ((99, 99), (100, 101), (16384, 16549), (9900, 9999)):
+        state = ilp._Search([0], 10**6, bound, 0.0, True)
+        after = ilp._fill(state, Subs(), 1.0, lambda ranks: 10**6)
+        assert asked[-1] == v and after.spent == 0.5 and after.value == 10**6
+        assert (v - bound) / v < 0.01 <= (v + 1 - bound) / (v + 1)
+    asked.clear()
+    assert ilp._fill(ilp._Search([0], 101, 100, 0.0, True), Subs(), 1.0, len).spent == 0.0
+    assert ilp._fill(ilp._Search([0], 10, 0, 0.0, True), Subs(), 1.0, len).spent == 0.0
+    assert not asked

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 from ortools.sat.python import cp_model
@@ -93,8 +94,9 @@ MAX_MODEL_BOOLS = 50_000
 WALL_GUARD = 3.0
 WALL_GUARD_BASE_S = 2.0
 """The wall-clock guard of a limit of deterministic time: ``WALL_GUARD`` x the limit +
-``WALL_GUARD_BASE_S``, for each CP-SAT call and for the whole solve. Normal runs must stay well inside it: the full model's interleaved
-LNS overshoots its deterministic limit about 2x, and on this 2-core machine its wall time
+``WALL_GUARD_BASE_S``, for each CP-SAT call and for the whole solve. Normal runs must stay
+well inside it: the full model's interleaved LNS overshoots its deterministic limit about
+2x, and on this 2-core machine its wall time
 reached 3.1 x its limit (Pile-like 128K, N = 8, sequence 2: 2.84 s for 0.909 s), which the
 earlier guard of 2 x + 1 s cut short in 5 of 100 Pile-like solves there."""
 GROUP_SHARE = 0.4
@@ -116,7 +118,7 @@ FILL_SHARE = 0.2
 FILL_RELAX_SHARE = 0.55
 """``RELAX_SHARE`` where the bound comes first and the fill question follows (the
 longest doc fits on a rank, ``_solve_comm``)."""
-FILL_GAP = 0.01
+FILL_GAP = Fraction(1, 100)
 """The relative gap the fill question asks for: the acceptance target of the ILP."""
 SEARCH_SHARE = 0.8
 """The rank-group search resumes after the bound until this share of the limit is spent."""
@@ -425,7 +427,7 @@ def _fill(state: _Search, subs: _Subproblems, limit_s: float,
           value_of: Callable[[list[int]], int]) -> _Search:
     """The question of :mod:`.ilp_fill`: a placement within ``FILL_GAP`` of the bound (the
     largest v with (v - bound) / v < FILL_GAP)? A NO proves nothing about the full model."""
-    v = math.ceil(state.bound / (1 - FILL_GAP)) - 1
+    v = math.ceil(state.bound / (1 - FILL_GAP)) - 1  # exact: FILL_GAP is a fraction
     if not 0 < state.bound <= v < state.value:
         return state
     run = subs.fill(v, limit_s)
