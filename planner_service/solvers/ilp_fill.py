@@ -21,8 +21,8 @@ model (a doc cut into three pieces is not an option here).
 
 Measured at 128K, N = 4, R = 1.05 (scratch runs, CP-SAT sequential search, 2
 deterministic seconds, asking for a critical-path KV within 1% of the relaxation's proven
-optimum): placements found on 10 of 14 Pile-like and 4 of 11 code sequences where the
-10 s ILP search had left a gap of 1% or more.
+optimum, the split docs free): placements found on 9 of 14 Pile-like and 3 of 11 code
+sequences where the 10 s ILP search had left a gap of 1% or more.
 """
 
 from __future__ import annotations
