@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
+from bench import ilp_compare
 from planner_service.core.plan import Shard
 from planner_service.core.request import debug_request
 from planner_service.core.validate import validate_plan
@@ -78,6 +80,28 @@ def test_same_request_gives_the_same_plan_byte_for_byte(monkeypatch):
     first, second = solve(request), solve(request)
     assert first.info["status"] == "FEASIBLE" and first.info["deterministic"]
     assert first.to_json() == second.to_json()
+
+
+def test_progress_log_follows_the_search_to_the_plans_figures(caplog):
+    docs = tuple(pack_sequences(make_source("code"), context_length=32768, num_sequences=1, seed=0)[0])
+    with caplog.at_level(logging.DEBUG, logger=ilp.__name__):
+        plan = solve(debug_request(strategy="ilp", doc_lengths=docs,
+                                   options={"time_limit_s": 0.3, "workers": 1}))
+    steps = [r.args for r in caplog.records if r.msg == ilp.PROGRESS]
+    assert steps[0][0] == "hint" and steps[0][1] == plan.info["hint_objective_value"]
+    values, bounds, spent = ([s[i] for s in steps] for i in (1, 2, 3))
+    # The incumbent only falls, the bound and the time only rise.
+    assert values == sorted(values, reverse=True) and bounds == sorted(bounds)
+    assert spent == sorted(spent)
+    assert values[-1] == plan.info["objective_value"]
+    assert min(bounds[-1], values[-1]) == plan.info["best_bound"]
+
+
+def test_bench_finds_when_the_gap_first_fell_under_one_percent():
+    records = [(10.0, 500, 0), (11.5, 406, 400), (12.0, 403, 400), (13.0, 400, 400)]
+    assert ilp_compare.first_closed(records, start=9.0) == pytest.approx(3.0)  # 3/403 < 1%
+    assert ilp_compare.first_closed(records[:2], start=9.0) is None  # 6/406 is not
+    assert ilp_compare.first_closed([(1.0, 0, 0)], start=0.5) == pytest.approx(0.5)
 
 
 def test_a_solve_cut_short_by_the_wall_clock_guard_says_so(monkeypatch):
