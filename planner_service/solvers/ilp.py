@@ -41,7 +41,8 @@ each within its own guard, still ends in bounded time); a plan cut short by it s
 Plan info: ``status`` (OPTIMAL, FEASIBLE or FALLBACK), ``objective``,
 ``objective_value``, ``best_bound``, ``gap`` = (value - bound) / max(1, value) and
 ``saving_gap`` = (value - bound) / full-exchange tokens (for ``comm``: how far the comm
-saving could still rise), plus the block count and the limits used.
+saving could still rise), plus the block count and the limits used. The comm search logs
+its incumbent and bound after each step at DEBUG (``PROGRESS``).
 """
 
 from __future__ import annotations
