@@ -64,6 +64,11 @@ def first_closed(records: list[tuple[float, int, int]], start: float) -> float |
                  if value <= bound or (value - bound) / max(1, value) < CLOSED_GAP), None)
 
 
+def closed_flags(status: list[str], gap: list[float]) -> list[bool]:
+    """Per solve: OPTIMAL or a gap under ``CLOSED_GAP``."""
+    return [s == "OPTIMAL" or g < CLOSED_GAP for s, g in zip(status, gap, strict=True)]
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -130,7 +135,7 @@ def run_cell(dataset: str, n: int, context: int, args: argparse.Namespace,
     fc, il = rows["flashcp"], rows["ilp"]
     wall, gap, sgap = ilp_stats["wall"], ilp_stats["gap"], ilp_stats["saving_gap"]
     statuses = Counter(ilp_stats["status"])
-    closed = [s == "OPTIMAL" or g < CLOSED_GAP for s, g in zip(ilp_stats["status"], gap, strict=True)]
+    closed = closed_flags(ilp_stats["status"], gap)
     closed_10s = [c and w <= WITHIN_S for c, w in zip(closed, wall, strict=True)]
     lines += [
         "",
@@ -166,7 +171,7 @@ def pooled(n: int, context: int, cells: list[dict[str, list]]) -> list[str]:
     """The ILP's figures over every data set of one N and context."""
     gap = [g for cell in cells for g in cell["gap"]]
     status = [s for cell in cells for s in cell["status"]]
-    closed = sum(s == "OPTIMAL" or g < CLOSED_GAP for s, g in zip(status, gap, strict=True))
+    closed = sum(closed_flags(status, gap))
     return [
         f"### All data sets, N = {n}, C = {context}: {len(gap)} sequences",
         "",

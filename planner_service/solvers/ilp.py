@@ -132,7 +132,9 @@ deterministic seconds, and the bound before it is usually proven in 1 or 2. Meas
 code, 76 Pile-like, 80 WLB-LLM sequences), gaps under 1% went from 28 to 32, 48 to 57 and
 56 to 55 with 0.7 instead of ``FILL_SHARE`` alone; where the question finds nothing, the
 rank-group steps after it have less time and the gap grows (by up to 27 points there).
-On a sample of 48 of them, 0.6 closed fewer, and 0.8 one more with larger losses."""
+On a sample of 48 of them, 0.6 closed fewer, and 0.8 one more with larger losses. At
+N = 8, 128K it costs more than it gives on WLB-LLM and Pile-like (``bench.ilp_compare``:
+6 and 5 of 100 under 1%, 7 and 8 without the fill question)."""
 FILL_RELAX_SHARE = 0.55
 """``RELAX_SHARE`` where the bound comes first and the fill question follows (the
 longest doc fits on a rank, ``_solve_comm``)."""
