@@ -1,7 +1,8 @@
 """Service settings from ``PLANNER_*`` environment variables (pydantic-settings).
 
 Built by :func:`load_settings`, never at import time, so tests and the CLI can override
-any field. Every name here is documented in the README (planner service, settings); deploy manifests use them.
+any field. Every name here is documented in docs/settings.md, whose table is generated from
+this class (``python -m planner_service.service.settings_doc``); deploy manifests use them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from planner_service.core.request import MAX_CP_SIZE, MAX_TOKENS
 
 
 def _default_workers() -> int:
+    """CPUs - 1, at least 1 and at most 8."""
     # One core stays with the event loop (HTTP, gRPC, JSON); the rest solve.
     return max(1, min(8, (os.cpu_count() or 2) - 1))
 
@@ -31,6 +33,7 @@ class Settings(BaseSettings):
     grpc_port: int = Field(50051, ge=0, le=65535)
     """gRPC port (0: any free port; -1 is not allowed, set grpc_enabled=false instead)."""
     grpc_enabled: bool = True
+    """Serve gRPC at all; false: HTTP only."""
     workers: int = Field(default_factory=_default_workers, ge=0, le=256)
     """Solver processes; 0 solves in one thread of the server process (tests, debugging)."""
     queue_size: int = Field(64, ge=0, le=100_000)
@@ -42,6 +45,7 @@ class Settings(BaseSettings):
     max_docs: int = Field(65_536, ge=1, le=10_000_000)
     """Documents per request (per sequence for /v1/schedule)."""
     max_cp_size: int = Field(1024, ge=1, le=MAX_CP_SIZE)
+    """Largest ``cp_size`` (``num_ranks`` for /v1/schedule)."""
     max_tokens: int = Field(16 * 2**20, ge=1, le=MAX_TOKENS)
     """Total tokens of one request."""
     max_sequences: int = Field(1024, ge=1, le=1_000_000)
@@ -73,6 +77,7 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(10.0, ge=0, le=3600)
     """On SIGTERM: readiness turns false, then in-flight requests get this long to finish."""
     log_level: str = "info"
+    """Log level of the server (debug, info, warning, error)."""
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
