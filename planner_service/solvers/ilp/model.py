@@ -18,9 +18,12 @@ from typing import NamedTuple
 from ortools.sat.python import cp_model
 
 from planner_service.core.cost import doc_workload, shard_workload
-from planner_service.solvers.ilp_blocks import Blocks
+from planner_service.solvers.ilp.blocks import Blocks
 
 OBJECTIVES = ("comm", "balance")
+MAX_MODEL_BOOLS = 50_000
+"""Blocks x ranks above this are refused (raise the granularity) rather than solved; a
+submodel with more options than this is not asked."""
 
 
 class BlockModel(NamedTuple):
