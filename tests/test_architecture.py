@@ -5,12 +5,21 @@ validation); then ``data``, ``solvers``, ``fcp`` (and ``proto_build``); then the
 ``service``, ``client``, ``cli`` (and ``compare``, ``plot``). ``fcp`` is FCP's algorithm
 alone and imports only the core (the code that builds plans with other strategies lives in
 ``solvers``). ``worker_runtime`` imports only the plan contract from ``planner_service``.
+And the install: the service (``make run``) needs neither torch nor matplotlib.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
 import grimp
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PACKAGES = ("planner_service", "worker_runtime")
 
@@ -147,3 +156,29 @@ def test_the_layer_check_sees_an_upward_import():
                                                          containers={"planner_service"})
     assert {(d.importer, d.imported) for d in illegal} == {
         ("planner_service.core", "planner_service.cli")}
+
+
+def test_the_service_and_the_cli_import_neither_torch_nor_matplotlib():
+    # `make run` installs the service's dependencies alone (pyproject's [project] list).
+    code = ("import sys, planner_service.service.server, planner_service.cli, "
+            "planner_service.client; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'matplotlib', "
+            "'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_service_install_has_no_torch_and_dev_has_every_extra():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {requirement_name(r) for r in project["dependencies"]}
+    assert not base & {"torch", "matplotlib", "transformers", "flash-attn"}
+    extras = project["optional-dependencies"]
+    dev = {requirement_name(r) for r in extras["dev"]}
+    for extra, requirements in extras.items():
+        if extra != "gpu":  # flash-attn needs CUDA to build
+            assert {requirement_name(r) for r in requirements} <= dev, extra
+
+
+def requirement_name(requirement: str) -> str:
+    return requirement.split("==")[0].split("[")[0].strip().lower()

@@ -201,6 +201,12 @@ def compare_cmd(
     url: Url = None,
 ) -> None:
     """Strategies side by side for one input or N sampled batches of a data set."""
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError:
+            raise fail("--plot needs matplotlib: pip install 'cp-planner[plot]' (or leave out "
+                       "--plot)") from None
     sequences = _sequences(docs, dataset, context, batches, seed)
     if strategies:
         names = strategies.split(",")
