@@ -6,7 +6,7 @@ Solving (limits, hints, fallback) lives in :mod:`planner_service.solvers.ilp`.
 Exactness: with the blocks fixed, every figure the model uses equals what the cost
 module computes for the resulting plan: tokens and workloads are sums of per-block
 constants, and the KV a rank receives is, per doc, the blocks before the end of its last
-block of that doc that it does not hold (DESIGN.md section 3, exact all-to-all-v).
+block of that doc that it does not hold (the exact all-to-all-v of ``core.cost``).
 """
 
 from __future__ import annotations
