@@ -173,6 +173,7 @@ def solve_blocks(
     tuning: Tuning | None = None,
 ) -> IlpResult:
     """Place blocks optimally (or as well as the time limit allows); see the module docstring.
+
     ``tuning`` defaults to this module's ``TUNING``, read at every solve.
 
     Raises ValueError if R is below what integer tokens allow, or if CP-SAT proves that no
