@@ -2,26 +2,40 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# One stamp per install set and pyproject.toml version: `make run` installs the service
+# alone (no torch); `make install` (and test, lint, bench) everything, the dev extra.
+HASH := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP_SERVICE := $(VENV)/.installed-service-$(HASH)
+STAMP := $(VENV)/.installed-dev-$(HASH)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 GRPC_PORT ?= 50051
 
-.PHONY: install run test lint bench proto clean
+.PHONY: install install-service run test lint bench proto clean
 
 install: $(STAMP)
 
+install-service: $(STAMP_SERVICE)
+
+$(STAMP_SERVICE): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	rm -f $(VENV)/.installed-service-*
+	touch $(STAMP_SERVICE)
+
+# The dev extra holds the service's dependencies too: its stamp marks both installed.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+	touch $(STAMP) $(STAMP_SERVICE)
 
 proto: install
 	$(PY) -m planner_service.proto_build
 
-run: install
+run: install-service
 	@echo "planner: web page and API on http://$(HOST):$(PORT)/ , gRPC on $(HOST):$(GRPC_PORT) (Ctrl-C stops)"
 	$(VENV)/bin/planner serve --host $(HOST) --http-port $(PORT) --grpc-port $(GRPC_PORT)
 

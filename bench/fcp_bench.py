@@ -36,13 +36,14 @@ from pathlib import Path
 import numpy as np
 
 from planner_service.data import make_source, sample_batch
-from planner_service.fcp import ScheduleRequest, plan_global_batch, schedule
+from planner_service.fcp import plan_global_batch
 from planner_service.fcp.compare import compare_with_baselines
 from planner_service.fcp.cost_model import DEBUG_MODEL, PROFILES
 from planner_service.fcp.fit import fit_profile, load_timings, synthetic_timings
 from planner_service.fcp.grouping import group_table
 from planner_service.fcp.portfolio import solve_split
 from planner_service.fcp.schedule import sequence_stats, split_micro_batches
+from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
 
 DATASETS = ("wlbllm", "code", "family:pile")
 RANKS = (8, 16, 32, 64)

@@ -35,17 +35,22 @@ from collections.abc import Callable
 
 from bench.picked import add_arguments, picked_sequences
 from planner_service.solvers import ilp
-from planner_service.solvers.ilp_blocks import Blocks, cut_blocks, layout_cuts, place_blocks
-from planner_service.solvers.ilp_model import (
+from planner_service.solvers.flashcp import flashcp_shards
+from planner_service.solvers.ilp.blocks import Blocks, cut_blocks, layout_cuts, place_blocks
+from planner_service.solvers.ilp.cpsat import Cp, chosen, run, solve_model
+from planner_service.solvers.ilp.model import (
     BlockModel,
     build_model,
     canonical_ranks,
     placement_values,
 )
-from planner_service.solvers.ilp_relax import GRAINS, must_split
+from planner_service.solvers.ilp.relax import GRAINS, must_split
+from planner_service.solvers.ilp.search import relaxed_stage
+from planner_service.solvers.ilp.strategy import HEAD_DOCS_PER_RANK
+from planner_service.solvers.ilp.subproblems import Search, Subproblems
 
 NO_INCUMBENT = 2**62
-CP = ilp._Cp(workers=2, deadline=math.inf)
+CP = Cp(workers=2, deadline=math.inf, tuning=ilp.TUNING)
 """2 CP-SAT workers; each stage has its own budget, and no deadline for the whole run."""
 """``ilp_ends`` stops at the incumbent's value; here it has none."""
 
@@ -71,23 +76,23 @@ def main() -> None:
     for k, lengths in picked_sequences(args):
         cap = ilp.workload_cap(lengths, n, args.imbalance_target)
         tokens = -(-sum(lengths) // n)
-        hint_shards, _ = ilp.flashcp_shards(lengths, n, args.imbalance_target)
+        hint_shards, _ = flashcp_shards(lengths, n, args.imbalance_target)
         cuts = layout_cuts(hint_shards)
         blocks = cut_blocks(lengths, 2048, cuts,
-                            head_docs=ilp.head_docs(lengths, cuts, ilp.HEAD_DOCS_PER_RANK * n))
+                            head_docs=ilp.head_docs(lengths, cuts, HEAD_DOCS_PER_RANK * n))
         hint = canonical_ranks(blocks, place_blocks(blocks, hint_shards), n)
-        subs = ilp._subproblems(blocks, lengths, n, tokens, cap, CP)
+        subs = Subproblems(blocks, lengths, n, tokens, cap, CP)
         if args.search > 0:
-            start = ilp._Search(hint, max(placement_values(blocks, hint, n)[2]), 0, 0.0, True)
-            hint = subs.group_search(start, args.search, ilp.GROUP_STEP_SHARE * 10.0).ranks
+            start = Search(hint, max(placement_values(blocks, hint, n)[2]), 0, 0.0, True)
+            hint = subs.group_search(start, args.search, ilp.TUNING.group_step_share * 10.0).ranks
         best = 0
         for grain in GRAINS:
             def model(ranks: list[int] | None, grain: str = grain,
                       build: Callable[..., BlockModel] = subs.relaxation) -> BlockModel:
                 return build(ranks, grain, 0)
 
-            bound, spent, _ = ilp._relaxed_stage(model, subs.relaxed_value, args.limit, 10.0, CP,
-                                                 subs.relaxed_ranks(hint))
+            bound, spent, _ = relaxed_stage(model, subs.relaxed_value, args.limit, 10.0, CP,
+                                             subs.relaxed_ranks(hint))
             best = max(best, bound)
             last = grain == GRAINS[-1] and args.complete > 0
             done = completion(subs, blocks, lengths, n, tokens, cap, best, args) if last else "-"
@@ -97,14 +102,14 @@ def main() -> None:
         print(f"| {k} | longest doc's ends | {bound} | {spent:.1f} | - |", flush=True)
 
 
-def completion(subs: ilp._Subproblems, blocks: Blocks, lengths: list[int], n: int, tokens: int,
+def completion(subs: Subproblems, blocks: Blocks, lengths: list[int], n: int, tokens: int,
                cap: int, bound: int, args: argparse.Namespace) -> str:
     """The completion question: take a placement of the kept docs' blocks that the blocks
     relaxation allows at critical-path KV ``bound``, fix it in the full model, and ask
     whether a placement of every block then reaches at most bound x (1 + ``--within``)."""
     relaxed = subs.relaxation(None, GRAINS[-1], 0)
     relaxed.model.Add(relaxed.comm_max <= bound)
-    kept_run = ilp._run(relaxed, None, args.complete, CP._replace(workers=1))
+    kept_run = run(relaxed, None, args.complete, CP._replace(workers=1))
     if kept_run.ranks is None:
         return f"no kept placement at {bound} ({kept_run.status})"
     target = int(bound * (1 + args.within))
@@ -113,9 +118,9 @@ def completion(subs: ilp._Subproblems, blocks: Blocks, lengths: list[int], n: in
     for b, rank in zip(kept, kept_run.ranks, strict=True):
         full.model.Add(full.x[b][rank] == 1)
     full.model.Add(full.comm_max <= target)
-    solver, status, dtime, _ = ilp._solve_model(full.model, args.complete, CP)
+    solver, status, dtime, _ = solve_model(full.model, args.complete, CP)
     if status in ("OPTIMAL", "FEASIBLE"):
-        value = max(placement_values(blocks, ilp._chosen(solver, full.x), n)[2])
+        value = max(placement_values(blocks, chosen(solver, full.x), n)[2])
         return f"found {value} <= {target} in {dtime:.1f} s"
     return f"{'none' if status == 'INFEASIBLE' else 'undecided'} <= {target} ({dtime:.1f} s)"
 

@@ -6,9 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from planner_service import Plan, validate_plan
-from planner_service.cli import _load_commands, app
+from planner_service.cli import app
 
-_load_commands()
 runner = CliRunner()
 DOCS = "4099,37,1023,8191,1,511,2047,3001,17,6143,733,97,5000"
 

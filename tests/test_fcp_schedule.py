@@ -10,14 +10,15 @@ import pytest
 from typer.testing import CliRunner
 
 from planner_service import PlanRequest, solve, validate_plan
-from planner_service.cli import _load_commands, app
+from planner_service.cli import app
 from planner_service.core.request import debug_request
 from planner_service.data import make_source, sample_batch
-from planner_service.fcp import ScheduleRequest, plan_global_batch, schedule
+from planner_service.fcp import plan_global_batch
 from planner_service.fcp.compare import compare_with_baselines
 from planner_service.fcp.cost_model import PROFILES
 from planner_service.fcp.portfolio import solve_split
 from planner_service.fcp.schedule import sequence_stats, split_micro_batches
+from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
 
 PROFILE = PROFILES["h100-llama3-8b"]
 BATCH = [[131072], [4000, 3000], [9000], [2048], [70000], [1500, 1500, 1500], [30000], [6000]]
@@ -227,7 +228,6 @@ def test_registry_strategy_rejects_bad_options(options, field):
 
 
 def test_cli_schedule_and_fit_profile(tmp_path):
-    _load_commands()
     runner = CliRunner()
     out = runner.invoke(app, ["schedule", "--sequences", "131072;4000,3000;9000;2048",
                               "-N", "16", "-E", "16384", "--compare"])

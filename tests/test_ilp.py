@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -17,8 +18,10 @@ from planner_service.core.request import debug_request
 from planner_service.core.validate import validate_plan
 from planner_service.data import make_source, pack_sequences
 from planner_service.solvers import ilp
-from planner_service.solvers.ilp_blocks import cut_blocks, place_blocks
-from planner_service.solvers.ilp_model import build_model
+from planner_service.solvers.ilp import strategy as ilp_strategy
+from planner_service.solvers.ilp.blocks import cut_blocks, place_blocks
+from planner_service.solvers.ilp.cpsat import Cp
+from planner_service.solvers.ilp.model import build_model
 from planner_service.solvers.registry import get_strategy, solve
 
 QUICK = {"time_limit_s": 0.5, "workers": 1}
@@ -72,7 +75,7 @@ def test_balance_objective_is_at_least_as_balanced_as_flashcp():
 def test_same_request_gives_the_same_plan_byte_for_byte(monkeypatch):
     # Several workers (interleaved search) stopped by the deterministic limit, not OPTIMAL;
     # a loose wall guard so a busy machine cannot cut the solve short.
-    monkeypatch.setattr(ilp, "WALL_GUARD", 100.0)
+    monkeypatch.setattr(ilp_strategy, "TUNING", replace(ilp.TUNING, wall_guard=100.0))
     # A packed code sequence (the debug fixture is now solved to optimality in 0.3 s).
     docs = tuple(pack_sequences(make_source("code"), context_length=32768, num_sequences=1, seed=0)[0])
     request = debug_request(strategy="ilp", doc_lengths=docs,
@@ -107,8 +110,8 @@ def test_bench_finds_when_the_gap_first_fell_under_one_percent():
 def test_a_solve_cut_short_by_the_wall_clock_guard_says_so(monkeypatch):
     # A guard far below what any solve takes: every CP-SAT call ends on it, not on the
     # deterministic limit, and the plan must not claim to be reproducible.
-    monkeypatch.setattr(ilp, "WALL_GUARD", 0.0)
-    monkeypatch.setattr(ilp, "WALL_GUARD_BASE_S", 1e-4)
+    monkeypatch.setattr(ilp_strategy, "TUNING",
+                        replace(ilp.TUNING, wall_guard=0.0, wall_guard_base_s=1e-4))
     docs = tuple(pack_sequences(make_source("code"), context_length=32768, num_sequences=1, seed=0)[0])
     plan = solve(debug_request(strategy="ilp", doc_lengths=docs,
                                options={"time_limit_s": 0.6, "workers": 2}))
@@ -120,9 +123,9 @@ def test_the_whole_solve_stops_at_its_wall_clock_deadline(monkeypatch):
     # Every CP-SAT call within its own (loose) guard, but the solve's deadline 50 ms after
     # its start: a 10 s solve (about 10 s of wall time here) must end at once, in many
     # short calls that each return at the deadline, and say it is not reproducible.
-    monkeypatch.setattr(ilp, "WALL_GUARD", 100.0)
-    monkeypatch.setattr(ilp._Cp, "start", classmethod(
-        lambda cls, workers, limit_s: cls(workers, time.monotonic() + 0.05)))
+    monkeypatch.setattr(ilp_strategy, "TUNING", replace(ilp.TUNING, wall_guard=100.0))
+    monkeypatch.setattr(Cp, "start", classmethod(
+        lambda cls, workers, limit_s, tuning: cls(workers, time.monotonic() + 0.05, tuning)))
     docs = tuple(pack_sequences(make_source("code"), context_length=131072, num_sequences=2,
                                 seed=0)[1])
     request = debug_request(strategy="ilp", cp_size=4, doc_lengths=docs, context_length=131072,
@@ -136,7 +139,7 @@ def test_the_whole_solve_stops_at_its_wall_clock_deadline(monkeypatch):
 
 
 def test_time_limit_is_capped_by_the_module_constant(monkeypatch):
-    monkeypatch.setattr(ilp, "MAX_TIME_LIMIT_S", 0.2)
+    monkeypatch.setattr(ilp_strategy, "MAX_TIME_LIMIT_S", 0.2)
     plan = solve(debug_request(strategy="ilp", options={"time_limit_s": 1000, "workers": 1}))
     assert plan.info["time_limit_s"] == 0.2
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from planner_service.core.cost import comm_volumes, doc_workload, rank_workloads
 from planner_service.solvers.flashcp import flashcp_shards
 from planner_service.solvers.ilp import IlpOptions, head_docs, solve_blocks, workload_cap
-from planner_service.solvers.ilp_blocks import Blocks, block_shards, cut_blocks, layout_cuts
+from planner_service.solvers.ilp.blocks import Blocks, block_shards, cut_blocks, layout_cuts
 
 HEADS = 2
 """Fewer head docs than docs, so blocks with and without a geometric head both occur."""

@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, event, given, settings
 from ortools.sat.python import cp_model
 from test_ilp_bruteforce import comm_case, tiny_instances
 
-from planner_service.solvers.ilp_blocks import Blocks
-from planner_service.solvers.ilp_ends import Leaves, ends_bound, ends_data
-from planner_service.solvers.ilp_model import token_floor
-from planner_service.solvers.ilp_relax import sub_blocks
+from planner_service.solvers.ilp.blocks import Blocks
+from planner_service.solvers.ilp.ends import Leaves, ends_bound, ends_data
+from planner_service.solvers.ilp.model import token_floor
+from planner_service.solvers.ilp.relax import sub_blocks
 
 UNLIMITED = 10**9
 

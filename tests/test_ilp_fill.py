@@ -10,9 +10,12 @@ from ortools.sat.python import cp_model
 from test_ilp_bruteforce import comm_case, tiny_instances
 
 from planner_service.solvers import ilp
-from planner_service.solvers.ilp_fill import Option, fill_model, fill_ranks, option_count
-from planner_service.solvers.ilp_model import placement_values, token_floor
-from planner_service.solvers.ilp_relax import must_split, sub_blocks
+from planner_service.solvers.ilp.cpsat import Solve
+from planner_service.solvers.ilp.fill import Option, fill_model, fill_ranks, option_count
+from planner_service.solvers.ilp.model import placement_values, token_floor
+from planner_service.solvers.ilp.relax import must_split, sub_blocks
+from planner_service.solvers.ilp.search import ask_fill
+from planner_service.solvers.ilp.subproblems import Search
 
 MAX_ENUMERATED = 20_000
 """Placements of the kept blocks times option combinations enumerated per instance."""
@@ -89,14 +92,14 @@ def test_fill_question_asks_for_the_largest_value_within_the_gap():
     class Subs:
         def fill(self, v, limit_s):
             asked.append(v)
-            return ilp._Solve("UNKNOWN", None, 0, 0, 0.5, True)
+            return Solve("UNKNOWN", None, 0, 0, 0.5, True)
 
     for bound, v in ((99, 99), (100, 101), (16384, 16549), (9900, 9999)):
-        state = ilp._Search([0], 10**6, bound, 0.0, True)
-        after = ilp._fill(state, Subs(), 1.0, lambda ranks: 10**6)
+        state = Search([0], 10**6, bound, 0.0, True)
+        after = ask_fill(state, Subs(), 1.0, lambda ranks: 10**6, ilp.TUNING.fill_gap)
         assert asked[-1] == v and after.spent == 0.5 and after.value == 10**6
         assert (v - bound) / v < 0.01 <= (v + 1 - bound) / (v + 1)
     asked.clear()
-    assert ilp._fill(ilp._Search([0], 101, 100, 0.0, True), Subs(), 1.0, len).spent == 0.0
-    assert ilp._fill(ilp._Search([0], 10, 0, 0.0, True), Subs(), 1.0, len).spent == 0.0
+    assert ask_fill(Search([0], 101, 100, 0.0, True), Subs(), 1.0, len, ilp.TUNING.fill_gap).spent == 0.0
+    assert ask_fill(Search([0], 10, 0, 0.0, True), Subs(), 1.0, len, ilp.TUNING.fill_gap).spent == 0.0
     assert not asked

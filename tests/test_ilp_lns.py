@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
 from planner_service.core.cost import doc_workload
-from planner_service.solvers.ilp_blocks import cut_blocks
-from planner_service.solvers.ilp_lns import GroupModel, Step, descend, group_model, groups_of
-from planner_service.solvers.ilp_model import placement_values
+from planner_service.solvers.ilp.blocks import cut_blocks
+from planner_service.solvers.ilp.lns import GroupModel, Step, descend, group_model, groups_of
+from planner_service.solvers.ilp.model import placement_values
 
 
 @st.composite

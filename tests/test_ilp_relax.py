@@ -14,9 +14,9 @@ from test_ilp_bruteforce import brute_force, comm_case, instance_blocks, tiny_in
 from planner_service.core.cost import doc_workload
 from planner_service.core.plan import Shard
 from planner_service.solvers.ilp import workload_cap
-from planner_service.solvers.ilp_blocks import Blocks
-from planner_service.solvers.ilp_model import whole_doc_model
-from planner_service.solvers.ilp_relax import (
+from planner_service.solvers.ilp.blocks import Blocks
+from planner_service.solvers.ilp.model import whole_doc_model
+from planner_service.solvers.ilp.relax import (
     GRAINS,
     MAX_LEVELS,
     block_costs,

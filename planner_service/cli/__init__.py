@@ -1,38 +1,45 @@
-"""The ``planner`` command line (typer + rich).
+"""The ``planner`` command line (typer + rich): one table of commands.
 
-Each command group lives in its own module and registers on ``app``; modules that a
-deployment lacks (e.g. the service) are skipped, so the core CLI always works.
+Commands: ``plan`` and ``compare`` (:mod:`.plan_cmd`), ``serve`` (:mod:`.serve_cmd`),
+``schedule`` and ``fit-profile`` (:mod:`.fcp_cmd`). Errors a user can cause print one
+line and exit 2 (:mod:`.common`); ``planner --debug ...`` shows their traceback.
 """
 
 from __future__ import annotations
 
-import importlib
+from typing import Annotated
 
 import typer
 
+from planner_service.cli import fcp_cmd, plan_cmd, serve_cmd
+from planner_service.cli.common import DEBUG_KEY, OneLineErrors
+
 app = typer.Typer(
+    cls=OneLineErrors,
     help="Context-parallel sharding planner: plan, compare, serve.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
 
-COMMAND_MODULES = (
-    "planner_service.cli.plan_cmd",  # plan, compare
-    "planner_service.cli.serve_cmd",  # serve (service issue)
-    "planner_service.cli.fcp_cmd",  # schedule, fit-profile (FCP issue)
-)
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Show the traceback of an error instead of its one line")] = False,
+) -> None:
+    """Context-parallel sharding planner: plan, compare, serve."""
+    ctx.meta[DEBUG_KEY] = debug
 
 
-def _load_commands() -> None:
-    for module in COMMAND_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+app.command()(plan_cmd.plan)
+app.command(name="compare")(plan_cmd.compare_cmd)
+app.command()(serve_cmd.serve)
+app.command()(fcp_cmd.schedule)
+app.command(name="fit-profile")(fcp_cmd.fit_profile_cmd)
 
 
 def main() -> None:
-    _load_commands()
+    """The ``planner`` console script."""
     app()

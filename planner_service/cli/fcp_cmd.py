@@ -7,19 +7,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from planner_service.cli import app
+from planner_service.cli.common import console, fail
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, PROFILES, get_profile
-from planner_service.fcp.requests import FcpResult, ScheduleRequest
-
-console = Console(width=None if Console().is_terminal else 150)
-
-
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
-    return typer.Exit(code=2)
+from planner_service.fcp.requests import FcpResult
+from planner_service.solvers.fcp_schedule import ScheduleRequest
+from planner_service.solvers.fcp_schedule import schedule as run_schedule
 
 
 def _batch(
@@ -27,13 +21,13 @@ def _batch(
     packed: bool, seed: int,
 ) -> list[list[int]]:
     if (sequences is None) == (dataset is None):
-        raise _fail("give exactly one of --sequences or --dataset")
+        raise fail("give exactly one of --sequences or --dataset")
     if sequences is not None:
         try:
             return [[int(x) for x in seq.split(",") if x.strip()]
                     for seq in sequences.replace(" ", "").split(";") if seq]
         except ValueError:
-            raise _fail(f"--sequences must look like '4096,100;8000', got {sequences!r}") from None
+            raise fail(f"--sequences must look like '4096,100;8000', got {sequences!r}") from None
     from planner_service.data import make_source, pack_sequences_variable, sample_batch
 
     assert dataset is not None
@@ -44,7 +38,7 @@ def _batch(
                                            num_sequences=num_sequences, seed=seed)
         return sample_batch(source, num_sequences=num_sequences, max_tokens=max_tokens, seed=seed)
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise ValueError(f"--dataset {dataset}: {exc}") from exc
 
 
 def _degree_mix(degrees: list[int]) -> str:
@@ -67,7 +61,6 @@ def _result_table(result: FcpResult, title: str) -> Table:
     return table
 
 
-@app.command()
 def schedule(
     sequences: Annotated[str | None, typer.Option(
         help="Sequences as doc lengths: ';' between sequences, ',' between docs")] = None,
@@ -93,17 +86,12 @@ def schedule(
     out: Annotated[Path | None, typer.Option(help="Write the result JSON to this file")] = None,
 ) -> None:
     """FCP: split a batch into micro-batches, CP groups of any degree, one plan each."""
-    from planner_service.fcp.schedule import schedule as run_schedule
-
     batch = _batch(sequences, dataset, num_sequences, max_tokens, packed, seed)
-    try:
-        request = ScheduleRequest(
-            sequences=tuple(tuple(s) for s in batch), num_ranks=ranks, memory_tokens=memory_tokens, strategy=strategy,
-            profile=profile, search=search, micro_batches=micro_batches, build_plans=plans,
-        )
-        result = run_schedule(request)
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
+    request = ScheduleRequest(
+        sequences=tuple(tuple(s) for s in batch), num_ranks=ranks, memory_tokens=memory_tokens, strategy=strategy,
+        profile=profile, search=search, micro_batches=micro_batches, build_plans=plans,
+    )
+    result = run_schedule(request)
     if out is not None:
         out.write_text(json.dumps(result.to_dict(), sort_keys=True))
     if as_json:
@@ -132,7 +120,6 @@ def schedule(
         console.print(table)
 
 
-@app.command(name="fit-profile")
 def fit_profile_cmd(
     timings: Annotated[Path, typer.Argument(help="Timings JSON (cp-planner-timings/v1)")],
     out: Annotated[Path, typer.Option(help="Where to write the fitted profile JSON")],
@@ -143,10 +130,7 @@ def fit_profile_cmd(
     """Fit the FCP cost coefficients (eq. 8-10) by least squares from measured timings."""
     from planner_service.fcp.fit import fit_profile, load_timings
 
-    try:
-        report = fit_profile(load_timings(timings), name=name or out.stem, base=get_profile(base))
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
+    report = fit_profile(load_timings(timings), name=name or out.stem, base=get_profile(base))
     data = {**report.profile.to_dict(), "fit": report.to_dict()}
     out.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     table = Table(title=f"fitted profile {report.profile.name} -> {out}")

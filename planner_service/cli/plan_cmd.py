@@ -6,18 +6,14 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from planner_service.cli import app
+from planner_service.cli.common import console, fail, note
 from planner_service.compare import StrategySummary, compare
 from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import strategy_names, timed_solve
-
-# Wide enough for the tables when piped (rich defaults to 80 columns without a terminal).
-console = Console(width=None if Console().is_terminal else 150)
 
 Docs = Annotated[
     str | None, typer.Option("--docs", help="Comma-separated doc lengths, e.g. 1000,5000,37")
@@ -37,28 +33,31 @@ Url = Annotated[
 ]
 
 
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
-    return typer.Exit(code=2)
+SKIPPED_BY_DEFAULT = {
+    "ilp": "an exact CP-SAT solve of up to options.time_limit_s (10 s) per sequence",
+}
+"""Strategies ``planner compare`` leaves out unless ``--strategies`` names them, and why."""
 
 
 def _sequences(
     docs: str | None, dataset: str | None, context: int | None, batches: int, seed: int
 ) -> list[list[int]]:
     if (docs is None) == (dataset is None):
-        raise _fail("give exactly one of --docs or --dataset")
+        raise fail("give exactly one of --docs or --dataset")
     if docs is not None:
         try:
             return [[int(x) for x in docs.replace(" ", "").split(",") if x]]
         except ValueError:
-            raise _fail(f"--docs must be comma-separated integers, got {docs!r}") from None
+            raise fail(f"--docs must be comma-separated integers, got {docs!r}") from None
     from planner_service.data import make_source, pack_sequences
 
     if context is None or dataset is None:
-        raise _fail("--dataset needs --context (e.g. 131072)")
-    return pack_sequences(
-        make_source(dataset), context_length=context, num_sequences=batches, seed=seed
-    )
+        raise fail("--dataset needs --context (e.g. 131072)")
+    try:
+        source = make_source(dataset)
+    except ValueError as exc:
+        raise ValueError(f"--dataset {dataset}: {exc}") from exc
+    return pack_sequences(source, context_length=context, num_sequences=batches, seed=seed)
 
 
 def _rank_table(plan: Plan) -> Table:
@@ -106,7 +105,6 @@ def _metrics_table(plan: Plan) -> Table:
     return table
 
 
-@app.command()
 def plan(
     docs: Docs = None,
     dataset: Dataset = None,
@@ -128,28 +126,25 @@ def plan(
 ) -> None:
     """Plan one packed sequence and print per-rank shards and metrics."""
     seq = _sequences(docs, dataset, context, 1, seed)[0]
-    try:
-        request = PlanRequest(
-            doc_lengths=tuple(seq),
-            cp_size=cp,
-            strategy=strategy,
-            context_length=context,
-            truncate=truncate,
-            imbalance_target=imbalance_target,
-            comm_mode=comm_mode,
-            kernel=kernel,
-            link=link,
-        )
-        where = "server" if url else "local"
-        if url:
-            from planner_service.client import remote_plan
+    request = PlanRequest(
+        doc_lengths=tuple(seq),
+        cp_size=cp,
+        strategy=strategy,
+        context_length=context,
+        truncate=truncate,
+        imbalance_target=imbalance_target,
+        comm_mode=comm_mode,
+        kernel=kernel,
+        link=link,
+    )
+    where = "server" if url else "local"
+    if url:
+        from planner_service.client import remote_plan
 
-            remote = remote_plan(url, request)
-            result, solve_ms = remote.plan, remote.solve_ms
-        else:
-            result, solve_ms = timed_solve(request)
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
+        remote = remote_plan(url, request)
+        result, solve_ms = remote.plan, remote.solve_ms
+    else:
+        result, solve_ms = timed_solve(request)
     if as_json:
         typer.echo(result.to_json(indent=2))
         return
@@ -187,14 +182,14 @@ def _summary_table(summaries: list[StrategySummary], title: str) -> Table:
     return table
 
 
-@app.command(name="compare")
 def compare_cmd(
     docs: Docs = None,
     dataset: Dataset = None,
     batches: Annotated[int, typer.Option(help="Sequences to sample with --dataset")] = 20,
     cp: Cp = 8,
     strategies: Annotated[
-        str | None, typer.Option(help="Comma-separated subset (default: all)")
+        str | None, typer.Option(help="Comma-separated strategies (default: all but ilp, "
+                                 "which the output names)")
     ] = None,
     context: Context = None,
     imbalance_target: Target = 1.05,
@@ -205,32 +200,38 @@ def compare_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print summaries as JSON")] = False,
     url: Url = None,
 ) -> None:
-    """Every strategy side by side for one input or N sampled batches of a data set."""
+    """Strategies side by side for one input or N sampled batches of a data set."""
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError:
+            raise fail("--plot needs matplotlib: pip install 'cp-planner[plot]' (or leave out "
+                       "--plot)") from None
     sequences = _sequences(docs, dataset, context, batches, seed)
-    names = (
-        strategies.split(",")
-        if strategies
-        else [s for s in strategy_names() if s not in ("ilp", "fcp")]
+    if strategies:
+        names = strategies.split(",")
+    else:
+        names = [s for s in strategy_names() if s not in SKIPPED_BY_DEFAULT]
+        skipped = sorted(set(strategy_names()) & set(SKIPPED_BY_DEFAULT))
+        if skipped:
+            why = "; ".join(f"{s}: {SKIPPED_BY_DEFAULT[s]}" for s in skipped)
+            note(f"skipped {', '.join(skipped)} ({why}); name it in --strategies to include it")
+    base = PlanRequest(
+        doc_lengths=tuple(sequences[0]),
+        cp_size=cp,
+        context_length=context,
+        imbalance_target=imbalance_target,
     )
-    try:
-        base = PlanRequest(
-            doc_lengths=tuple(sequences[0]),
-            cp_size=cp,
-            context_length=context,
-            imbalance_target=imbalance_target,
-        )
-        if url:
-            from planner_service.client import remote_plan
+    if url:
+        from planner_service.client import remote_plan
 
-            def ask_service(request: PlanRequest) -> tuple[Plan, float]:
-                remote = remote_plan(url, request)
-                return remote.plan, remote.solve_ms
+        def ask_service(request: PlanRequest) -> tuple[Plan, float]:
+            remote = remote_plan(url, request)
+            return remote.plan, remote.solve_ms
 
-            summaries = compare(names, sequences, base, solve=ask_service)
-        else:
-            summaries = compare(names, sequences, base)
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
+        summaries = compare(names, sequences, base, solve=ask_service)
+    else:
+        summaries = compare(names, sequences, base)
     if as_json:
         typer.echo(json.dumps([s._asdict() for s in summaries], indent=2))
     else:

@@ -1,15 +1,65 @@
-"""``planner serve``: the HTTP + gRPC service (settings from PLANNER_* variables)."""
+"""``planner serve``: the HTTP + gRPC service (settings from PLANNER_* variables).
+
+Before the service starts (and warms its solver pool), the settings are validated and
+both ports are tried, so a bad setting or a taken port ends in one line naming the flag
+or variable to change.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+import errno
+import socket
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from planner_service.cli import app
+from planner_service.cli.common import fail
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+FLAGS = {"host": "--host", "http_port": "--http-port", "grpc_port": "--grpc-port",
+         "workers": "--workers", "grpc_enabled": "--no-grpc"}
+"""Settings that ``planner serve`` also takes as flags."""
 
 
-@app.command()
+def setting_name(field: str) -> str:
+    """How a user sets ``field``: its flag (if any) and its environment variable."""
+    env = f"PLANNER_{field.upper()}"
+    return f"{FLAGS[field]} or {env}" if field in FLAGS else env
+
+
+def settings_error(exc: ValidationError) -> str:
+    """pydantic's errors of the settings as one line naming each flag or variable."""
+    parts = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else "settings"
+        parts.append(f"{setting_name(field)}: {error['msg']}, got {error.get('input')!r}")
+    return "bad settings: " + "; ".join(parts)
+
+
+def check_port(host: str, port: int, what: str, field: str) -> None:
+    """Raise ``fail`` naming the setting to change if ``host:port`` cannot be listened on
+    (port 0 takes any free port: only the host is checked)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise fail(f"bind address {host!r} cannot be resolved ({exc}); change "
+                   f"{setting_name('host')}") from None
+    if port == 0:
+        return
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        # As the servers do: a port held only by connections in TIME_WAIT is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
+            raise fail(f"{what} port {port} on {host} {why}; choose another with "
+                       f"{setting_name(field)} (0 takes any free port)") from None
+
+
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address [PLANNER_HOST, 127.0.0.1]")] = None,
     http_port: Annotated[int | None, typer.Option(
@@ -22,7 +72,7 @@ def serve(
 ) -> None:
     """Run the planner service: HTTP (web page at /, OpenAPI at /docs) and gRPC.
 
-    Every other setting comes from PLANNER_* environment variables (the README (planner service, settings)).
+    Every other setting comes from PLANNER_* environment variables (docs: settings).
     """
     from pydantic import ValidationError
 
@@ -36,5 +86,11 @@ def serve(
     try:
         settings = load_settings(**overrides)
     except ValidationError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        raise fail(settings_error(exc)) from None
+    check_port(settings.host, settings.http_port, "HTTP", "http_port")
+    if settings.grpc_enabled:
+        if settings.grpc_port == settings.http_port != 0:
+            raise fail(f"HTTP and gRPC both ask for port {settings.http_port}; change "
+                       f"{setting_name('grpc_port')}")
+        check_port(settings.host, settings.grpc_port, "gRPC", "grpc_port")
     raise typer.Exit(run(settings))

@@ -181,7 +181,14 @@ def make_source(spec: str) -> LengthSource:
     if not isinstance(spec, str):
         raise ValueError(f"spec must be a string, got {spec!r}")
     if spec in SHARED_FILES:
-        return FileSource.from_path(default_data_dir() / SHARED_FILES[spec], name=spec)
+        folder = default_data_dir()
+        if not (folder / SHARED_FILES[spec]).is_file():
+            raise ValueError(
+                f"data set {spec!r} is the file {SHARED_FILES[spec]} in the data folder {folder}, "
+                f"which has no such file; set PLANNER_DATA_DIR to the folder that holds it, or "
+                f"use a family (e.g. family:{'code' if spec == 'code' else 'pile'}) or file:PATH"
+            )
+        return FileSource.from_path(folder / SHARED_FILES[spec], name=spec)
     if spec.startswith("file:") and len(spec) > len("file:"):
         return FileSource.from_path(spec.removeprefix("file:"), name=spec)
     name = spec.removeprefix("family:")

@@ -1,8 +1,9 @@
-"""FCP entry points: the global-batch planner and ``schedule(request) -> FcpResult``.
+"""FCP's global-batch planner: micro-batches, groups and degrees (no plans).
 
 ``plan_global_batch`` splits a global batch into micro-batches of at most ``N * E``
 tokens (the paper's micro-batch planner) and runs stage 1 + stage 2 on each;
-``schedule`` adds rank ranges and one validated Plan per micro-batch.
+``planner_service.solvers.fcp_schedule.schedule`` adds rank ranges and one validated Plan
+per micro-batch.
 
 Splitting: cost-balanced packing (LPT, packing.balanced_pack) into micro-batches of
 ``N * E`` tokens, so long sequences spread over the micro-batches. The count is chosen
@@ -17,7 +18,6 @@ its own best count, as compare.py measures it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -34,16 +34,9 @@ from planner_service.fcp.grouping import (
     memory_error,
     redo_with_dp,
 )
-from planner_service.fcp.layout import micro_batch_plan, place_groups
 from planner_service.fcp.packing import balanced_pack, descending
 from planner_service.fcp.portfolio import choose_split, score_static, static_total
-from planner_service.fcp.requests import (
-    FcpResult,
-    MicroBatchSchedule,
-    ScheduledGroup,
-    ScheduleRequest,
-    check_sequences,
-)
+from planner_service.fcp.requests import check_sequences
 
 MAX_EXTRA_MICRO_BATCHES = 2
 """Micro-batch counts tried: the least that holds the tokens and the next two."""
@@ -178,66 +171,3 @@ def plan_checked(
     return found._replace(groupings=tuple(
         redo_with_dp(g, stats, num_ranks, memory_tokens, prof) for g in found.groupings
     ))
-
-
-def schedule(request: ScheduleRequest) -> FcpResult:
-    """Schedule a batch: micro-batches, CP groups, degrees and (if asked) one Plan each.
-
-    Raises ValueError (naming what is missing) when the memory cannot hold a sequence;
-    PlanError only on an internal bug (every plan is validated).
-    """
-    profile = get_profile(request.profile)
-    started = time.perf_counter()
-    found = plan_checked(
-        request.sequences, num_ranks=request.num_ranks, memory_tokens=request.memory_tokens,
-        profile=profile, full_attention=request.full_attention, search=request.search,
-        method=request.method, micro_batches=request.micro_batches,
-    )
-    solved = time.perf_counter()
-    degrees = [0] * len(request.sequences)
-    out = []
-    for index, (ids, grouping) in enumerate(zip(found.micro_batches, found.groupings, strict=True)):
-        starts = place_groups(grouping.degrees, request.num_ranks, profile.ranks_per_node)
-        groups = []
-        for members, start, degree, est in zip(
-            grouping.groups, starts, grouping.degrees, grouping.times_ms, strict=True
-        ):
-            for i in members:
-                degrees[i] = degree
-            groups.append(ScheduledGroup(
-                ranks=tuple(range(start, start + degree)), sequence_ids=members,
-                tokens=sum(sum(request.sequences[i]) for i in members), est_ms=est,
-            ))
-        plan = None
-        if request.build_plans:
-            position = {seq: p for p, seq in enumerate(ids)}
-            plan = micro_batch_plan(
-                [request.sequences[i] for i in ids],
-                [[position[i] for i in g] for g in grouping.groups],
-                starts, grouping.degrees,
-                num_ranks=request.num_ranks, strategy=request.strategy, model=request.model,
-                kernel=request.kernel, link=request.link,
-                imbalance_target=float(request.imbalance_target),
-                info={
-                    "fcp_micro_batch": [index, len(found.micro_batches)],
-                    "sequence_ids": list(ids),
-                    "group_sequences": [[position[i] for i in g] for g in grouping.groups],
-                    "group_ranks": [[s, d] for s, d in zip(starts, grouping.degrees, strict=True)],
-                    "group_est_ms": list(grouping.times_ms),
-                    "est_makespan_ms": grouping.makespan_ms,
-                    "fcp_candidate": grouping.candidate,
-                    "fcp_profile": profile.name,
-                    "intra_strategy": request.strategy,
-                    "memory_tokens": request.memory_tokens,
-                },
-            )
-        out.append(MicroBatchSchedule(
-            index=index, sequence_ids=ids, groups=tuple(groups),
-            est_makespan_ms=grouping.makespan_ms, candidate=grouping.candidate, plan=plan,
-        ))
-    done = time.perf_counter()
-    return FcpResult(
-        micro_batches=tuple(out), degrees=tuple(degrees), est_makespan_ms=found.makespan_ms,
-        profile=profile.name, strategy=request.strategy,
-        solve_ms=(solved - started) * 1e3, plan_ms=(done - solved) * 1e3,
-    )

@@ -2,25 +2,30 @@
 
 Candidates are compared under one exchange, the exact all-to-all-v (the runtime runs it
 for any layout), so the choice reflects the layout alone: balance, the KV its shards
-need and kernel efficiency. Ties go to the earlier candidate.
+need and kernel efficiency. Ties go to the earlier candidate. The candidates are looked up with the ``lookup`` the
+caller passes (the registry's ``get_strategy``), so this module does not import the
+registry that lists it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 from planner_service.core.build import Layout, build_plan
 from planner_service.core.request import PlanRequest
-from planner_service.solvers.registry import Strategy, get_strategy, register
+from planner_service.solvers.fcp_strategy import Intra
 
 CANDIDATES = ("flashcp", "per_doc", "llama3")
 
 
-def auto_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
+                lookup: Callable[[str], Intra]) -> Layout:
+    """The candidate layout with the lowest estimated step time (module docstring)."""
     best: tuple[float, str, Layout] | None = None
     for name in CANDIDATES:
-        layout = get_strategy(name).solver(doc_lengths, replace(request, strategy=name, options={}))
+        layout = lookup(name).solver(doc_lengths, replace(request, strategy=name, options={}))
         plan = build_plan(
             layout,
             strategy=name,
@@ -40,12 +45,13 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
     )
 
 
-register(
-    Strategy(
-        name="auto",
-        description="The layout among flashcp, per_doc and llama3 with the lowest estimated step time "
-        "(compared under all-to-all-v)",
-        solver=auto_layout,
-        comm_mode="alltoallv",
-    )
-)
+DESCRIPTION = ("The layout among flashcp, per_doc and llama3 with the lowest estimated step "
+               "time (compared under all-to-all-v)")
+COMM_MODE = "alltoallv"
+
+# Until the registry lists the strategies in its own table, ``auto`` registers itself here
+# with the registry's lookup; the registry's entry needs exactly these names.
+from planner_service.solvers.registry import Strategy, get_strategy, register  # noqa: E402
+
+register(Strategy(name="auto", description=DESCRIPTION, solver=partial(auto_layout, lookup=get_strategy),
+                  comm_mode=COMM_MODE))

@@ -10,18 +10,24 @@ CP group, each with the intra-group shards of ``intra`` (flashcp by default).
 Options: ``memory_tokens`` (E; default twice the even share ``2 ceil(S / N)``, room for
 groups of unequal load), ``intra``, ``profile`` and ``search`` (see planner_service.fcp).
 Always one micro-batch: the plan covers the whole packed sequence.
+
+The intra-group strategy is looked up by name with the ``lookup`` the caller passes (the
+registry's ``get_strategy``), so this module does not import the registry that lists it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Protocol
 
-from planner_service.core.build import Layout
+from planner_service.core.build import GroupLayout, Layout
+from planner_service.core.model import ModelSpec
+from planner_service.core.plan import Shard
 from planner_service.core.request import MAX_TOKENS, PlanRequest, check_int
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, get_profile
-from planner_service.fcp.layout import group_layouts, place_groups
+from planner_service.fcp.layout import place_groups
 from planner_service.fcp.schedule import plan_global_batch
-from planner_service.solvers.registry import Strategy, register
 
 OPTIONS = {
     "memory_tokens": "E, tokens one rank can hold (default 2 x ceil(total / cp_size))",
@@ -31,7 +37,19 @@ OPTIONS = {
 }
 
 
-def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+class Intra(Protocol):
+    """What FCP needs of an intra-group strategy (the registry's ``Strategy`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def solver(self) -> Callable[[Sequence[int], PlanRequest], Layout]: ...
+    @property
+    def comm_mode(self) -> str: ...
+
+
+def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
+               lookup: Callable[[str], Intra]) -> Layout:
     """FCP over the docs of one packed sequence (module docstring).
 
     Raises ValueError naming the option for bad options, or saying how much memory is
@@ -49,6 +67,10 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
         profile = get_profile(opts.get("profile", DEFAULT_PROFILE))
     except ValueError as exc:
         raise ValueError(f"options.profile: {exc}") from None
+    try:
+        strategy = lookup(intra)
+    except ValueError as exc:
+        raise ValueError(f"options.intra: {exc}") from None
     search = opts.get("search", "portfolio")
     sequences = [(length,) for length in doc_lengths]
     found = plan_global_batch(
@@ -58,7 +80,7 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
     grouping = found.groupings[0]
     starts = place_groups(grouping.degrees, n, profile.ranks_per_node)
     layouts = group_layouts(
-        sequences, grouping.groups, starts, grouping.degrees, strategy=intra,
+        sequences, grouping.groups, starts, grouping.degrees, intra=strategy,
         model=request.model, kernel=request.kernel, link=request.link,
         imbalance_target=request.imbalance_target,
     )
@@ -73,11 +95,53 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
     })
 
 
-register(Strategy(
-    name="fcp",
-    description="FCP: each doc a sequence; BFD into atomic groups, 2D DP over any-integer CP "
-    "degrees on a profiled cost model, flashcp inside each group",
-    solver=fcp_layout,
-    comm_mode="alltoallv",
-    options=OPTIONS,
-))
+def group_layouts(
+    sequences: Sequence[Sequence[int]],
+    groups: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    degrees: Sequence[int],
+    *,
+    intra: Intra,
+    model: ModelSpec,
+    kernel: str,
+    link: str,
+    imbalance_target: float,
+) -> list[GroupLayout]:
+    """Each group's shards from the ``intra`` strategy's solver, in plan doc indices and
+    global ranks.
+
+    Plan doc indices number all docs of ``sequences`` in order; ``groups`` index into
+    ``sequences``. Returned in rank order.
+    """
+    first_doc = [0]
+    for seq in sequences:
+        first_doc.append(first_doc[-1] + len(seq))
+    layouts = []
+    for members, start, degree in zip(groups, starts, degrees, strict=True):
+        global_doc = [first_doc[s] + t for s in members for t in range(len(sequences[s]))]
+        request = PlanRequest(
+            doc_lengths=tuple(length for s in members for length in sequences[s]),
+            cp_size=degree, strategy=intra.name, model=model, kernel=kernel, link=link,
+            imbalance_target=imbalance_target,
+        )
+        for sub in intra.solver(request.doc_lengths, request).groups:
+            layouts.append(GroupLayout(
+                ranks=tuple(start + r for r in sub.ranks),
+                shards=[
+                    [Shard(global_doc[s.doc], s.start, s.end) for s in rank] for rank in sub.shards
+                ],
+            ))
+    layouts.sort(key=lambda g: g.ranks[0])
+    return layouts
+
+
+DESCRIPTION = ("FCP: each doc a sequence; BFD into atomic groups, 2D DP over any-integer CP "
+               "degrees on a profiled cost model, flashcp inside each group")
+COMM_MODE = "alltoallv"
+
+# Until the registry lists the strategies in its own table, ``fcp`` registers itself here
+# with the registry's lookup; the registry's entry needs exactly these names.
+from planner_service.solvers.registry import Strategy, get_strategy, register  # noqa: E402
+
+register(Strategy(name="fcp", description=DESCRIPTION, solver=partial(fcp_layout, lookup=get_strategy),
+                  comm_mode=COMM_MODE, options=OPTIONS))

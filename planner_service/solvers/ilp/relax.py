@@ -24,11 +24,8 @@ fluid docs are one block (shorter than the granularity), and a rank cannot take 
 first tokens of such a doc without the rest. The fluid as token positions (any set of
 positions of the fluid docs may sit on a rank) is looser, but CP-SAT can prove its
 optimum where it cannot prove the blocks' one in the same time, and since every set of
-blocks is a set of positions that optimum is a floor for the blocks'. Measured on code
-sequences at 128K, N = 4 (``python -m bench.ilp_relax``, one stage each, 4 s): on sequences 25 and 78 the
-blocks' optimum is 8049 and 5120 tokens, the positions' 7311 and 4608; on sequence 30
-CP-SAT proved the positions' optimum (35104) in 2.9 deterministic seconds, and not the
-blocks' in 3.4.
+blocks is a set of positions that optimum is a floor for the blocks'. ``python -m
+bench.ilp_relax`` compares the two grains' bounds and the time CP-SAT needs to prove them.
 """
 
 from __future__ import annotations
@@ -36,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner_service.core.cost import doc_workload, shard_workload
-from planner_service.solvers.ilp_blocks import Blocks
-from planner_service.solvers.ilp_model import BlockModel, build_model, token_floor
+from planner_service.solvers.ilp.blocks import Blocks
+from planner_service.solvers.ilp.model import BlockModel, build_model, token_floor
 
 MAX_LEVELS = 48
 

@@ -6,7 +6,7 @@ Solving (limits, hints, fallback) lives in :mod:`planner_service.solvers.ilp`.
 Exactness: with the blocks fixed, every figure the model uses equals what the cost
 module computes for the resulting plan: tokens and workloads are sums of per-block
 constants, and the KV a rank receives is, per doc, the blocks before the end of its last
-block of that doc that it does not hold (DESIGN.md section 3, exact all-to-all-v).
+block of that doc that it does not hold (the exact all-to-all-v of ``core.cost``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ from typing import NamedTuple
 from ortools.sat.python import cp_model
 
 from planner_service.core.cost import doc_workload, shard_workload
-from planner_service.solvers.ilp_blocks import Blocks
+from planner_service.solvers.ilp.blocks import Blocks
 
 OBJECTIVES = ("comm", "balance")
+MAX_MODEL_BOOLS = 50_000
+"""Blocks x ranks above this are refused (raise the granularity) rather than solved; a
+submodel with more options than this is not asked."""
 
 
 class BlockModel(NamedTuple):

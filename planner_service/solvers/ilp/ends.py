@@ -3,7 +3,7 @@
 Why: when the longest doc D is spread over several ranks, the KV a rank receives for it
 is ``e_r - h_r``, the end of its last block of D minus the tokens of D it holds. Given the
 ends, that is linear in the placement, and the linear relaxation (blocks of D split in
-fractions, every other doc a fluid as in :mod:`.ilp_relax`) is tight enough to bound the
+fractions, every other doc a fluid as in :mod:`.relax`) is tight enough to bound the
 optimum well. CP-SAT's LP cannot see this: with the ends free it spreads every block
 over all ranks and needs no KV at all. So the ends are branched on here, best first,
 with an LP (GLOP) per node, and a leaf (every end fixed) is solved exactly by CP-SAT.
@@ -17,7 +17,7 @@ The model, for the ranks sorted by the end of their part of D (ranks interchange
 - a rank whose part of D surely exists (its range starts above 0) holds the last block
   of that part, whose end lies in the range: those blocks' shares on it sum to >= 1;
 - tokens and workload caps per rank over D's blocks and the fluid; the fluid's tokens
-  tau and workload omega per rank within the tangents of ``ilp_relax.fluid_tangents``.
+  tau and workload omega per rank within the tangents of ``relax.fluid_tangents``.
 
 Every placement of the full model is a solution of the node whose ranges hold its ends,
 with the same KV of D per rank and at most the same critical-path KV (other docs' KV is
@@ -42,24 +42,21 @@ from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from planner_service.core.cost import shard_workload
-from planner_service.solvers.ilp_blocks import Blocks
-from planner_service.solvers.ilp_relax import block_costs, fluid_tangents
+from planner_service.solvers.ilp.blocks import Blocks
+from planner_service.solvers.ilp.relax import block_costs, fluid_tangents
 
 EPSILON = 1e-6
 """Relative tolerance taken off an LP value before it is rounded up to a bound."""
 LP_NODE_S = 5e-4
 LP_WORK_S = 1.6e-8
 """The LPs' time, counted deterministically: ``LP_NODE_S`` per LP plus ``LP_WORK_S`` per
-simplex iteration and row or column of the LP. Fitted to GLOP's CPU time at 128K, 2K
-blocks (code, Pile-like and WLB-LLM sequences 1-8, N = 4 and 8: 0.7-7 ms per LP), where
-it errs high."""
+simplex iteration and row or column of the LP, a stand-in for GLOP's CPU time on block
+models that errs high (GLOP reports no deterministic time)."""
 LEAF_BASE_S = 0.003
 LEAF_DTIME_FACTOR = 2.5
 """The leaves' time, counted deterministically: ``LEAF_BASE_S`` per leaf (copying the
-model and presolving it: 2.8 ms measured where the leaves are trivial) plus
-``LEAF_DTIME_FACTOR`` times CP-SAT's deterministic time, which on these small models
-undercounts the CPU time 1.5-2.8 times (measured on code sequences 7 and 9, Pile-like 1
-and 23 and WLB-LLM 1 at 128K, N = 4)."""
+model and presolving it) plus ``LEAF_DTIME_FACTOR`` times CP-SAT's deterministic time,
+which on these small models undercounts the CPU time."""
 
 
 class EndsBound(NamedTuple):
@@ -90,7 +87,7 @@ class EndsData(NamedTuple):
     fluid_work: int
     low: list[tuple[int, int]]
     high: list[tuple[int, int]]
-    """The fluid's tangents (``ilp_relax.fluid_tangents``; none without a fluid)."""
+    """The fluid's tangents (``relax.fluid_tangents``; none without a fluid)."""
 
 
 def ends_data(doc: Blocks, fluid: Blocks) -> EndsData:
@@ -253,7 +250,7 @@ def ends_bound(doc: Blocks, fluid: Blocks, num_ranks: int, *, token_cap: int, wo
                token_floor: int, lp_budget_s: float, stop_at: int, leaf_limit_s: float,
                leaf_budget_s: float, deadline: float = math.inf) -> EndsBound:
     """The bound of the module docstring for the doc whose blocks are ``doc`` (one doc,
-    ``ilp_relax.sub_blocks``) and the fluid of every other doc's blocks.
+    ``relax.sub_blocks``) and the fluid of every other doc's blocks.
 
     ``lp_budget_s``: no node is split once the LPs' time (``lp_seconds``) reaches it;
     ``stop_at``: the incumbent's value (a bound there proves it optimal); a leaf's CP-SAT

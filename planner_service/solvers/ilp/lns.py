@@ -11,7 +11,7 @@ model.
 
 Each step solves the group model (:func:`group_model`) minimising the group's largest
 receive, then its total receive; a step is kept only if it lowers (the critical-path KV,
-the total KV received) as computed by ``ilp_model.placement_values``, so the search
+the total KV received) as computed by ``model.placement_values``, so the search
 never makes the placement worse whatever the step model returns.
 """
 
@@ -24,8 +24,8 @@ from typing import NamedTuple
 from ortools.sat.python import cp_model
 
 from planner_service.core.cost import shard_workload
-from planner_service.solvers.ilp_blocks import Blocks
-from planner_service.solvers.ilp_model import placement_values, prefix_lack, token_floor
+from planner_service.solvers.ilp.blocks import Blocks
+from planner_service.solvers.ilp.model import placement_values, prefix_lack, token_floor
 
 
 class GroupModel(NamedTuple):
@@ -64,7 +64,7 @@ def group_model(blocks: Blocks, ranks: Sequence[int], num_ranks: int, group: Seq
     # x[i][j] = 1 iff free block free[i] goes to group rank j.
     x = [[model.NewBoolVar(f"x_b{b}_g{j}") for j in range(k)] for b in free]
     # need (per block of a doc the group holds, per group rank) and doc_recv[j]: the KV of
-    # each such doc that group rank j receives, as in ``ilp_model.build_model``.
+    # each such doc that group rank j receives, as in ``model.build_model``.
     doc_recv: list[list[cp_model.IntVar]] = [[] for _ in range(k)]
     for run in blocks.doc_runs:
         held = [b for b in run if b in index]

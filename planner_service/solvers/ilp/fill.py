@@ -1,12 +1,12 @@
 """A restricted model of block placement that finds placements near a proven bound.
 
-Why: the relaxation of :mod:`.ilp_relax` often proves a bound that some placement
+Why: the relaxation of :mod:`.relax` often proves a bound that some placement
 reaches, or nearly, and the search of the full model does not find that placement in its
 time: around the docs that must be split, every rank must be filled to exactly T tokens
 within its workload cap, and on the ranks already at the critical KV without receiving
 anything more. In the full model that packing is a question about every fluid block and
 its need chain; CP-SAT settles it slowly. Here every fluid doc (a doc the relaxation
-treats as fluid, ``ilp_relax.must_split``) takes one of a few *options*:
+treats as fluid, ``relax.must_split``) takes one of a few *options*:
 
 - whole on rank r;
 - cut once, at one of its block edges a: the head [0, a) on rank p, the tail [a, L) on
@@ -14,15 +14,13 @@ treats as fluid, ``ilp_relax.must_split``) takes one of a few *options*:
 
 An option adds constants to its ranks' tokens, workload and received KV, so the fill is a
 0-1 assignment with linear rows per rank, and the docs that must be split keep their
-blocks and need chains as in the full model (``ilp_model.build_model``). Every solution
+blocks and need chains as in the full model (``model.build_model``). Every solution
 is a block placement of the full model with at most the KV the model counts, so a
 placement found is a valid incumbent; the restriction proves nothing about the full
 model (a doc cut into three pieces is not an option here).
 
-Measured at 128K, N = 4, R = 1.05 (scratch runs, CP-SAT sequential search, 2
-deterministic seconds, asking for a critical-path KV within 1% of the relaxation's proven
-optimum, the split docs free): placements found on 9 of 14 Pile-like and 3 of 11 code
-sequences where the 10 s ILP search had left a gap of 1% or more.
+How often the question finds a placement the rest of the search does not is measured by
+``python -m bench.ilp_compare`` (results in ``bench/results/``).
 """
 
 from __future__ import annotations
@@ -33,9 +31,9 @@ from typing import NamedTuple
 from ortools.sat.python import cp_model
 
 from planner_service.core.cost import doc_workload
-from planner_service.solvers.ilp_blocks import Blocks
-from planner_service.solvers.ilp_model import build_model, token_floor
-from planner_service.solvers.ilp_relax import sub_blocks
+from planner_service.solvers.ilp.blocks import Blocks
+from planner_service.solvers.ilp.model import build_model, token_floor
+from planner_service.solvers.ilp.relax import sub_blocks
 
 
 class Option(NamedTuple):

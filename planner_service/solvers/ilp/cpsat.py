@@ -1,0 +1,116 @@
+"""How the ILP runs CP-SAT: a deterministic configuration under a wall-clock guard.
+
+Deterministic: one worker searches sequentially; several workers use CP-SAT's interleaved
+search; either way the limit is CP-SAT's deterministic time, so the same model gives the
+same answer. The wall-clock guard (``Tuning.wall_guard``) stops a call on an overloaded
+machine twice over: each call stops at the guard of its own limit, and no call runs past
+the guard of the whole solve's limit (``Cp.deadline``, from its start; so a solve of many
+short calls, each within its own guard, still ends in bounded time). A call cut short by
+it is reported as not deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ortools.sat.python import cp_model
+
+from planner_service.solvers.ilp.model import BlockModel
+from planner_service.solvers.ilp.tuning import Tuning
+
+SLOW_SUBSOLVERS = ("max_lp", "reduced_costs", "pseudo_costs", "quick_restart", "default_lp")
+"""Full-problem subsolvers whose interleaved chunks overrun their deterministic budget by
+seconds of wall time on the block model (heavy LP); the rest plus LNS remain."""
+
+
+class Cp(NamedTuple):
+    """How one solve runs CP-SAT: its workers, its wall-clock deadline and its tuning."""
+
+    workers: int
+    deadline: float
+    """``time.monotonic()`` after which no CP-SAT call of the solve runs on (the whole
+    solve's wall-clock guard, module docstring)."""
+    tuning: Tuning
+
+    @classmethod
+    def start(cls, workers: int, limit_s: float, tuning: Tuning) -> Cp:
+        """The configuration of a solve of ``limit_s`` deterministic seconds starting now."""
+        return cls(workers, time.monotonic() + guard_s(limit_s, tuning), tuning)
+
+
+def guard_s(limit_s: float, tuning: Tuning) -> float:
+    """The wall-clock guard of ``limit_s`` deterministic seconds."""
+    return tuning.wall_guard * limit_s + tuning.wall_guard_base_s
+
+
+class Solve(NamedTuple):
+    """The outcome of one CP-SAT solve (or of a search made of several)."""
+
+    status: str
+    """CP-SAT's status name: OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN or MODEL_INVALID."""
+    ranks: list[int] | None
+    value: int
+    bound: int
+    dtime: float
+    deterministic: bool
+
+
+def solver_for(limit_s: float, cp: Cp) -> cp_model.CpSolver:
+    """A deterministic CP-SAT configuration (module docstring)."""
+    solver = cp_model.CpSolver()
+    p = solver.parameters
+    p.max_deterministic_time = limit_s
+    p.max_time_in_seconds = max(0.0, min(guard_s(limit_s, cp.tuning),
+                                         cp.deadline - time.monotonic()))
+    p.random_seed = 0
+    p.num_workers = cp.workers
+    if cp.workers > 1:
+        p.interleave_search = True
+        p.ignore_subsolvers.extend(SLOW_SUBSOLVERS)
+    return solver
+
+
+def run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, cp: Cp) -> Solve:
+    """Minimise ``target`` (None: find any solution) with the hint already set; the
+    solution's rank per block."""
+    if target is not None:
+        bm.model.Minimize(target)
+    # A yes/no question runs CP-SAT's default sequential search: its LP and probing refute
+    # a v fastest (and interleaving every subsolver with a hint trips a CP-SAT check).
+    solver, status, dtime, deterministic = solve_model(
+        bm.model, limit_s, cp if target is not None else cp._replace(workers=1))
+    if status not in ("OPTIMAL", "FEASIBLE"):
+        bound = int(math.ceil(solver.BestObjectiveBound())) if status == "UNKNOWN" else 0
+        return Solve(status, None, 0, max(bound, 0), dtime, deterministic)
+    ranks = chosen(solver, bm.x)
+    if target is None:
+        return Solve(status, ranks, 0, 0, dtime, deterministic)
+    value = int(round(solver.ObjectiveValue()))
+    bound = int(math.ceil(solver.BestObjectiveBound() - 1e-6))
+    return Solve(status, ranks, value, min(bound, value), dtime, deterministic)
+
+
+def chosen(solver: cp_model.CpSolver, rows: Sequence[Sequence[cp_model.IntVar]]) -> list[int]:
+    """Per row of exactly-one booleans, the index of the one that is true."""
+    return [next(i for i, v in enumerate(row) if solver.BooleanValue(v)) for row in rows]
+
+
+def solve_model(model: cp_model.CpModel, limit_s: float,
+                cp: Cp) -> tuple[cp_model.CpSolver, str, float, bool]:
+    """Solve with the deterministic configuration: the solver, CP-SAT's status name, the
+    deterministic time spent (the whole limit if the wall-clock guard ended it) and
+    whether the limit (not the guard) ended it."""
+    solver = solver_for(limit_s, cp)
+    status = solver.StatusName(solver.Solve(model))
+    assert status != "MODEL_INVALID", solver.SolutionInfo()
+    response = solver.ResponseProto()
+    guard_hit = response.wall_time >= 0.999 * solver.parameters.max_time_in_seconds
+    deterministic = status in ("OPTIMAL", "INFEASIBLE") or not guard_hit
+    # A solve cut short by the guard counts its whole limit: the callers loop until their
+    # budget is spent, and a machine so loaded that CP-SAT does no deterministic work
+    # before the guard must still end the search.
+    spent = response.deterministic_time if deterministic else max(response.deterministic_time, limit_s)
+    return solver, status, spent, deterministic

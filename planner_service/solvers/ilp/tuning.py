@@ -1,0 +1,77 @@
+"""How the ILP's comm search divides its time limit, and its wall-clock guard.
+
+Every share is a fraction of the request's deterministic time limit (``time_limit_s``),
+so the same request runs the same steps for the same deterministic time and gives the
+same plan. The steps themselves are described in :mod:`.search`; how well a choice of
+shares closes the gap is measured by ``python -m bench.ilp_compare`` (results in
+``bench/results/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tuning:
+    """The ILP search's budget split and guards (``TUNING`` is the one the strategy uses)."""
+
+    wall_guard: float = 3.0
+    """Wall-clock guard factor: a CP-SAT call (and the whole solve) of ``x`` deterministic
+    seconds stops after ``wall_guard * x + wall_guard_base_s`` wall seconds, so that an
+    overloaded machine cannot hold a request past its deadline. Normal runs stay well
+    inside it (CP-SAT's interleaved search overshoots its deterministic limit in wall time
+    by a small factor); a plan cut short by it says ``"deterministic": false``."""
+    wall_guard_base_s: float = 2.0
+    """The guard's fixed allowance in wall seconds (model copying and presolve)."""
+    group_share: float = 0.4
+    """Where the longest doc does not fit on a rank: the rank-group steps from the hint
+    run until this share of the limit is spent, to give the bound a good incumbent."""
+    relax_share: float = 0.4
+    """The most of the limit the bound (the ends' branch and bound, then the relaxation)
+    may take when the rank-group steps come first."""
+    fill_relax_share: float = 0.55
+    """``relax_share`` where the bound comes first and the fill question follows (the
+    longest doc fits on a rank): there the relaxation is usually solved, and a tight bound
+    is what the fill question asks against."""
+    ends_share: float = 0.25
+    """The most of the limit the bound of :mod:`.ends` (branching on the longest doc's
+    ends) may take, out of the bound's share."""
+    ends_lp_share: float = 0.5
+    """The share of the ends' budget its LPs may take; the rest goes to its leaves."""
+    ends_leaf_share: float = 0.1
+    """The most of the leaves' budget any one leaf's CP-SAT solve may take, so that one
+    hard leaf cannot starve the others."""
+    zero_share: float = 0.15
+    """The most of the limit the question "can every doc stay whole?" may take: cheap,
+    and a YES ends the search at KV 0."""
+    fill_share: float = 0.2
+    """The least share of the limit the fill question of :mod:`.fill` (a placement within
+    ``fill_gap`` of the bound) gets."""
+    fill_until: float = 0.7
+    """The fill question may run until this share of the limit is spent (from where the
+    bound left it, and at least ``fill_share``): where it finds a placement it usually
+    needs longer than the bound before it, and where it finds none the rank-group steps
+    after it need what is left."""
+    fill_gap: Fraction = Fraction(1, 100)
+    """The relative gap the fill question asks for: the acceptance target of the ILP
+    (exact, a fraction, so the asked value is an integer computed without rounding)."""
+    search_share: float = 0.8
+    """The rank-group steps resume after the bound until this share of the limit is spent;
+    the full model's optimisation (CP-SAT's LNS) gets the rest but ``bisect_share``."""
+    bisect_share: float = 0.1
+    """The share of the limit left to the closing yes/no questions, which raise the bound
+    where the optimisation cannot."""
+    probe_share: float = 0.06
+    """The most of the limit any one yes/no question may take, so that one undecided
+    question leaves time for the next."""
+    group_step_share: float = 0.01
+    """The first limit of one rank-group step (:func:`.lns.descend` doubles it when
+    stuck)."""
+    max_undecided: int = 2
+    """The yes/no questions stop after this many undecided ones in a row."""
+
+
+TUNING = Tuning()
+"""The tuning every ILP solve uses (a solve takes another only where a caller passes one)."""
