@@ -15,10 +15,9 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from planner_service.core.build import build_plan
-from planner_service.core.cost import doc_workload
 from planner_service.core.request import PlanRequest
 from planner_service.data import make_source, pack_sequences
 from planner_service.solvers.registry import solve
@@ -30,19 +29,9 @@ TARGET = 1.05
 
 
 def _algorithm1_plan(doc_lengths: list[int], request: PlanRequest):
-    """Algorithm 1's plan under compact all-gather (the pre-change code's private function)."""
-    from planner_service.core.build import GroupLayout, Layout
-    from planner_service.solvers import flashcp
-
-    n = request.cp_size
-    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
-    allowed = TARGET * sum(map(doc_workload, doc_lengths)) / n
-    _, ranks, per_doc = flashcp._algorithm1(doc_lengths, order, n, TARGET, allowed,
-                                            flashcp.MAX_PER_DOC)
-    layout = Layout(groups=[GroupLayout(tuple(range(n)), ranks.shards)], info={})
-    return build_plan(layout, strategy="flashcp_paper", cp_size=n, doc_lengths=doc_lengths,
-                      context_length=request.context_length, comm_mode="compact_allgather",
-                      model=request.model, kernel=request.kernel, link=request.link)
+    """Algorithm 1's plan (strategy ``flashcp_paper``) under compact all-gather."""
+    return solve(replace(request, strategy="flashcp_paper", comm_mode="compact_allgather"),
+                 check=False)
 
 
 def quality(sequences_per_cell: int, seed: int) -> list[dict]:
