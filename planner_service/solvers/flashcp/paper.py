@@ -14,9 +14,9 @@ If no k reaches R, the most balanced layout found is returned. k stops at ``MAX_
 and at the first doc of at most 2N tokens (Per-Doc cuts it into chunks of one token or
 none: it cannot balance anything more).
 
-Complexity: K = min(MAX_PER_DOC, docs longer than 2N) rounds, each O(D log N) for the LPT
-(a heap of ranks; a rank without room for a doc is skipped once per doc) plus O(N log N)
-per doc split over the free room, so O(K (D log N + N log N (K + s))) with s docs spilled.
+Complexity: K = min(MAX_PER_DOC, docs longer than 2N) rounds, each O(N log N) for the
+Per-Doc doc and O((D + N) log N) for the LPT and the splits (``whole_doc``,
+``split_spill``): O(K (D + N) log N).
 """
 
 from __future__ import annotations
@@ -37,25 +37,31 @@ MAX_PER_DOC = 64
 
 
 def whole_doc(ranks: Ranks, docs: Sequence[tuple[int, int]]) -> None:
-    """Place (doc, length) pairs, longest first, by Whole-Doc sharding (module docstring)."""
+    """Place (doc, length) pairs, longest first, by Whole-Doc sharding (module docstring).
+
+    A min-heap of (workload, rank) over the ranks with room for the current doc; a rank
+    without room is parked (a max-heap by room) until a doc short enough for it comes, at
+    most once per doc it receives: O((D + N) log N)."""
     cap = ranks.capacity
-    # Min-heap of (workload, rank) over ranks with room left; full ranks leave for good.
     heap = [(w, r) for r, w in enumerate(ranks.work) if ranks.tokens[r] < cap]
     heapq.heapify(heap)
+    parked: list[tuple[int, int]] = []  # (-room, rank)
     spill = []
+    tokens = ranks.tokens
     for doc, length in docs:
-        skipped = []
-        while heap and cap - ranks.tokens[heap[0][1]] < length:
-            skipped.append(heapq.heappop(heap))
+        while parked and -parked[0][0] >= length:
+            _, rank = heapq.heappop(parked)
+            heapq.heappush(heap, (ranks.work[rank], rank))
+        while heap and cap - tokens[heap[0][1]] < length:
+            _, rank = heapq.heappop(heap)
+            heapq.heappush(parked, (tokens[rank] - cap, rank))
         if heap:
             _, rank = heapq.heappop(heap)
             ranks.add(rank, doc, 0, length)
-            if ranks.tokens[rank] < cap:
+            if tokens[rank] < cap:
                 heapq.heappush(heap, (ranks.work[rank], rank))
         else:
             spill.append((doc, length))
-        for item in skipped:
-            heapq.heappush(heap, item)
     split_spill(ranks, spill, tail_largest=False)
 
 
@@ -65,18 +71,22 @@ def split_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], *, tail_largest:
     Piece order: ``tail_largest`` puts the largest piece last (its rank receives only the
     pieces before it); otherwise the lightest head goes to the most loaded rank and the
     heavy tail to the least loaded (Algorithm 1's Whole-Doc sharding, for balance).
-    O(N log N) per doc.
+    The roomiest ranks come from a max-heap of (room, rank): O(N + k log N) per doc for
+    its k pieces.
     """
+    if not spill:
+        return
     cap = ranks.capacity
+    roomiest = [(t - cap, r) for r, t in enumerate(ranks.tokens) if t < cap]  # (-room, rank)
+    heapq.heapify(roomiest)
     for doc, length in spill:
-        room = [cap - t for t in ranks.tokens]
         chosen = []
         covered = 0
-        for rank in sorted(range(len(room)), key=lambda r: (-room[r], r)):
-            if covered >= length or room[rank] <= 0:
-                break
+        while roomiest and covered < length:
+            minus_room, rank = heapq.heappop(roomiest)
             chosen.append(rank)
-            covered += room[rank]
+            covered -= minus_room
+        room = {rank: cap - ranks.tokens[rank] for rank in chosen}
         if tail_largest:
             # The roomiest rank takes the tail, as much as it can hold; then the next.
             pieces = []
@@ -99,6 +109,9 @@ def split_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], *, tail_largest:
             if take > 0:
                 ranks.add(rank, doc, start, start + take)
             start += take
+        for rank in chosen:
+            if ranks.tokens[rank] < cap:
+                heapq.heappush(roomiest, (ranks.tokens[rank] - cap, rank))
 
 
 def _must_exceed(length: int, per_doc: Ranks, allowed: float) -> bool:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 from planner_service.core.cost import alltoallv_receives, imbalance
 from planner_service.core.plan import Shard
 from planner_service.solvers.flashcp.nested import nested_zigzag
@@ -76,6 +78,7 @@ def place(
     parked: list[tuple[int, int, int]] = []  # (-room, rank, version): no room for the docs so far
     lightest: list[tuple[int, int]] = [(0, r) for r in range(n)]  # (work, rank), lazily current
     density = float("inf")
+    need = [0] * n  # KV each rank needs so far (cost.alltoallv_receives, kept up to date)
 
     def rebuild() -> None:
         heap[:] = [(work[r] - tokens[r] * density, r, version[r]) for r in range(n)]
@@ -131,6 +134,7 @@ def place(
             spill.append((doc, length))  # light enough (or one token) but no room: split for tokens
             continue
         if nested and nested_zigzag(ranks, doc, length, allowed, density):
+            need[:] = alltoallv_receives(shards)
             for r in range(n):
                 version[r] += 1
                 heapq.heappush(lightest, (work[r], r))
@@ -142,10 +146,12 @@ def place(
             spill.append((doc, length))  # no m ranks have room for shares: split for tokens
             continue
         # The outer chunk pair (most KV: the prefix up to the top) to the rank needing least.
-        needs = dict(zip(chosen, alltoallv_receives([shards[r] for r in chosen]), strict=True))
-        chosen.sort(key=needs.__getitem__)
+        chosen.sort(key=need.__getitem__)
+        before = [tokens[r] for r in chosen]
         zigzag(ranks, chosen, doc, length)
-        for r in chosen:
+        for r, held in zip(chosen, before, strict=True):
+            if tokens[r] > held:  # the prefix up to its top chunk, less its own tokens
+                need[r] += shards[r][-1][2] - (tokens[r] - held)
             changed(r)
     return ranks, spill
 
@@ -154,22 +160,37 @@ def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill
                   density: float) -> list[int] | None:
     """The fewest most lagging ranks with room for equal shares of the doc whose expected
     final workloads (``ends``, filled at ``fill``) stay within ``allowed`` (the widest
-    width tried is taken regardless); None if no width has enough ranks with room."""
+    width tried is taken regardless); None if no width has enough ranks with room.
+
+    O(N log N) in numpy for the lag order, then O(N) per width tried; widths too narrow
+    for any rank's room, or too narrow for even the lightest rank to stay within
+    ``allowed``, are skipped (they cannot succeed)."""
     n = len(ranks.work)
-    tokens, work, cap = ranks.tokens, ranks.work, ranks.capacity
-    by_lag = sorted(range(n), key=lambda r: (work[r] - tokens[r] * density, r))
+    work = np.array(ranks.work, dtype=np.float64)
+    tokens = np.array(ranks.tokens, dtype=np.float64)
+    room = ranks.capacity - tokens
+    # Lag order: ascending work - tokens x density, ties by rank (a stable sort).
+    by_lag = np.argsort(work - tokens * density, kind="stable")
+    room_by_lag = room[by_lag]
+    most_room, lightest = float(room.max()), float(work.min())
+    narrowest = 2
+    if most_room > 0:
+        narrowest = max(narrowest, -(-length // int(most_room)))
+    if allowed > lightest:
+        narrowest = max(narrowest, int(doc_work / (allowed - lightest)))
     for m in widths(n):
+        if m < narrowest and m < n:
+            continue
         share = -(-length // m)
-        fit = []
-        for r in by_lag:
-            if cap - tokens[r] >= share:
-                fit.append(r)
-                if len(fit) == m:
-                    break
-        if len(fit) == m and (m == n or max(
-            ends(ranks, r, length / m, doc_work / m, fill) for r in fit
-        ) <= allowed):
-            return fit
+        fit = np.flatnonzero(room_by_lag >= share)[:m]
+        if len(fit) < m:
+            continue
+        chosen = by_lag[fit]
+        if m == n:
+            return chosen.tolist()
+        after = np.maximum(0.0, room[chosen] - length / m)
+        if float((work[chosen] + doc_work / m + after * fill).max()) <= allowed:
+            return chosen.tolist()
     return None
 
 
