@@ -97,9 +97,9 @@ NESTED_BUDGET = 64
 HEAVY = 0.25
 """A doc that fits a rank whole and weighs more than HEAVY x the allowed max workload is
 placed before the docs that must be split in the heavy-first order."""
-PAPER_WORK = 1 << 16
+PAPER_WORK = 1 << 14
 """Docs + ranks x rounds Algorithm 1 may spend inside flashcp (its rounds are capped at
-PAPER_WORK / (D + N), at least one): all ``MAX_PER_DOC`` rounds up to 1,000 docs + ranks."""
+PAPER_WORK / (D + N), at least one): all ``MAX_PER_DOC`` rounds up to 256 docs + ranks."""
 
 COMM_MODES = ("alltoallv", "compact_allgather", "full", "p2p_ring")
 
