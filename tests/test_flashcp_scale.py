@@ -127,9 +127,10 @@ def reference_place(doc_lengths, order, n, allowed, fill_aware, total_work):
         by_lag = sorted(range(n), key=lambda r: (work[r] - tokens[r] * density, r))
         fill = density if fill_aware else 0.0
         chosen = None
-        for m in range(2, n + 1):
+        widest = min(n, length)
+        for m in range(2, widest + 1):
             fit = [r for r in by_lag if cap - tokens[r] >= -(-length // m)][:m]
-            if len(fit) == m and (m == n or max(
+            if len(fit) == m and (m == widest or max(
                 place.ends(ranks, r, length / m, doc_work / m, fill) for r in fit
             ) <= allowed):
                 chosen = fit

@@ -160,7 +160,8 @@ def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill
                   density: float) -> list[int] | None:
     """The fewest most lagging ranks with room for equal shares of the doc whose expected
     final workloads (``ends``, filled at ``fill``) stay within ``allowed`` (the widest
-    width tried is taken regardless); None if no width has enough ranks with room.
+    width tried, min(N, length), is taken regardless); None if no width has enough ranks
+    with room.
 
     O(N log N) in numpy for the lag order, then O(N) per width tried; widths too narrow
     for any rank's room, or too narrow for even the lightest rank to stay within
@@ -178,15 +179,16 @@ def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill
         narrowest = max(narrowest, -(-length // int(most_room)))
     if allowed > lightest:
         narrowest = max(narrowest, int(doc_work / (allowed - lightest)))
-    for m in widths(n):
-        if m < narrowest and m < n:
+    widest = min(n, max(2, length))  # more ranks than tokens would hold nothing
+    for m in widths(widest):
+        if m < narrowest and m < widest:
             continue
         share = -(-length // m)
         fit = np.flatnonzero(room_by_lag >= share)[:m]
         if len(fit) < m:
             continue
         chosen = by_lag[fit]
-        if m == n:
+        if m == widest:
             return chosen.tolist()
         after = np.maximum(0.0, room[chosen] - length / m)
         if float((work[chosen] + doc_work / m + after * fill).max()) <= allowed:
