@@ -14,7 +14,7 @@ from planner_service.cli import app
 from planner_service.compare import StrategySummary, compare
 from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
-from planner_service.solvers.registry import strategy_names, timed_solve
+from planner_service.solvers.registry import prepare, strategy_names, timed_solve
 
 # Wide enough for the tables when piped (rich defaults to 80 columns without a terminal).
 console = Console(width=None if Console().is_terminal else 150)
@@ -147,6 +147,7 @@ def plan(
             remote = remote_plan(url, request)
             result, solve_ms = remote.plan, remote.solve_ms
         else:
+            prepare(request.strategy)  # "solved in" is the solve, not the imports
             result, solve_ms = timed_solve(request)
     except ValueError as exc:
         raise _fail(str(exc)) from None
