@@ -1,7 +1,10 @@
-"""One mapping from strategy name to solver, and the entry point ``solve``.
+"""One table from strategy name to solver (``STRATEGIES``), and the entry point ``solve``.
 
 Every strategy has the same signature ``(doc_lengths, request) -> Layout``: a pure
-function of the (already truncated) lengths and the request's options.
+function of the (already truncated) lengths and the request's options. The fast
+strategies (baselines, flashcp, flashcp_paper) are imported with this module; the slow
+ones (ilp, fcp, auto) import their modules, and with them OR-Tools and pandas, on first
+use (``prepare`` does it ahead of a timed solve).
 """
 
 from __future__ import annotations
