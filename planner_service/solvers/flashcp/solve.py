@@ -38,9 +38,9 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
 Complexity, D docs on N ranks: each pass O((D + N) log N) plus O(N log N) per doc that
 must be split (``place.py``); the extra passes, the descent and the nested pass run only
 on requests of at most ``SEARCH_BUDGET``, ``SPILL_BUDGET`` and ``NESTED_BUDGET`` docs x
-ranks; measuring a layout is O(s) for its s shards; Algorithm 1 runs at most
-``PAPER_WORK`` / (D + N) rounds (``paper_rounds``, at least one), each O(D log N) plus
-O(N log N) per doc split over the free room.
+ranks; measuring a layout is O(s) for its s shards; Algorithm 1 runs K + 1 rounds with
+K (D + N K) within ``PAPER_WORK`` (``paper_rounds``; at least one round), each
+O((D + N) log N + N K).
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ NESTED_BUDGET = 64
 HEAVY = 0.25
 """A doc that fits a rank whole and weighs more than HEAVY x the allowed max workload is
 placed before the docs that must be split in the heavy-first order."""
-PAPER_WORK = 1 << 14
-"""Docs + ranks x rounds Algorithm 1 may spend inside flashcp (its rounds are capped at
-PAPER_WORK / (D + N), at least one): all ``MAX_PER_DOC`` rounds up to 256 docs + ranks."""
+PAPER_WORK = 1 << 15
+"""Work Algorithm 1 may spend inside flashcp: round k places D docs and copies the 2N k
+shards of its k Per-Doc docs, so K rounds cost about K (D + N K); K is the largest within
+PAPER_WORK (at least one round)."""
 
 COMM_MODES = ("alltoallv", "compact_allgather", "full", "p2p_ring")
 
@@ -155,8 +156,12 @@ def objective(comm_mode: str) -> Callable[[Ranks], tuple[int, ...]]:
 
 
 def paper_rounds(num_docs: int, n: int) -> int:
-    """Per-Doc docs Algorithm 1 may try inside flashcp (``PAPER_WORK``)."""
-    return max(0, min(MAX_PER_DOC, PAPER_WORK // (num_docs + n) - 1))
+    """Per-Doc docs Algorithm 1 may try inside flashcp: k = 0 .. K with K + 1 rounds of
+    about D + N K work each within ``PAPER_WORK`` (at most ``MAX_PER_DOC``)."""
+    k = 0
+    while k < MAX_PER_DOC and (k + 2) * (num_docs + n * (k + 1)) <= PAPER_WORK:
+        k += 1
+    return k
 
 
 def flashcp_shards(
