@@ -41,8 +41,6 @@ it carries and the exchange volumes of its shards (``core.cost``)."""
 KNOWN_CYCLES = (
     # Being removed on other branches (issue 27): delete each entry once its fix is merged;
     # the test fails on an entry whose circle is gone, so the list cannot go stale.
-    frozenset({"planner_service.solvers.flashcp", "planner_service.solvers.flashcp_nested",
-               "planner_service.solvers.flashcp_refine"}),
     frozenset({"planner_service.client.backends", "planner_service.client.grpc_backend",
                "planner_service.client.local"}),
 )

@@ -13,7 +13,8 @@ from planner_service.solvers.registry import strategy_names
 
 # The ILP and FCP have their own property tests (they are slower per example).
 FAST_STRATEGIES = [
-    s for s in ("llama3", "per_doc", "ring", "zigzag", "flashcp") if s in strategy_names()
+    s for s in ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_paper")
+    if s in strategy_names()
 ]
 
 small_n = st.integers(min_value=1, max_value=17)

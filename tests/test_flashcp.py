@@ -6,12 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner_service.core.cost import comm_volumes, doc_workload, imbalance, rank_workloads
+from planner_service.core.cost import comm_volumes, imbalance, rank_workloads
+from planner_service.core.plan import Shard
 from planner_service.core.request import debug_request
 from planner_service.core.validate import validate_plan
 from planner_service.data import make_source, pack_sequences
-from planner_service.solvers import flashcp
-from planner_service.solvers.flashcp import flashcp_shards
+from planner_service.solvers.flashcp import flashcp_shards, refine
+from planner_service.solvers.flashcp.paper import algorithm1
+from planner_service.solvers.flashcp.ranks import Ranks, zigzag
 from planner_service.solvers.registry import solve
 
 
@@ -54,22 +56,20 @@ def test_zigzags_heavy_docs_over_fewer_ranks_than_all():
 def test_beats_algorithm1_comm_on_the_debug_request():
     request = debug_request()
     ours = solve(request)
-    shards, _ = flashcp._algorithm1(
-        request.doc_lengths, sorted(range(13), key=lambda d: (-request.doc_lengths[d], d)), 4,
-        1.05, 1.05 * sum(map(doc_workload, request.doc_lengths)) / 4, flashcp.MAX_PER_DOC)[1:]
+    _, paper, _ = algorithm1(request.doc_lengths, 4, 1.05)
     assert ours.metrics.imbalance <= 1.05
-    assert ours.metrics.alltoallv_tokens < max(comm_volumes(shards.shards).alltoallv_recv)
+    assert ours.metrics.alltoallv_tokens < max(comm_volumes(paper.shards).alltoallv_recv)
 
 
 def test_exchange_moves_work_without_moving_tokens():
     # Rank 0: doc 0 [0, 16) + doc 1 [0, 4) = 146 pairs; rank 1: docs 2, 3 of 10 = 110 pairs.
-    ranks = flashcp._Ranks(2, 20)
+    ranks = Ranks(2, 20)
     ranks.add(0, 0, 0, 16)
     ranks.add(0, 1, 0, 4)
     ranks.add(1, 2, 0, 10)
     ranks.add(1, 3, 0, 10)
     allowed = 1.05 * 256 / 2
-    flashcp._exchange(ranks, allowed)
+    refine.exchange(ranks, allowed)
     assert tokens(ranks.shards) == [20, 20]
     assert ranks.work == rank_workloads(ranks.shards)
     assert max(ranks.work) <= allowed
@@ -91,16 +91,15 @@ def position(intervals, k, top):
 @given(st.data())
 def test_descend_keeps_tokens_and_positions_and_lowers_the_receive(data):
     """Random layouts (2 to 4 ranks, up to 6 docs of up to 80 tokens, each cut into up to
-    4 pieces dealt to ranks): ``_descend`` keeps every rank's token count and every
+    4 pieces dealt to ranks): ``refine.descend`` keeps every rank's token count and every
     position exactly once, keeps each rank's workload within ``allowed`` (and its
     bookkeeping equal to the recomputed workload), and returns the critical receive
     ``comm_volumes`` reports on the result, never above the one before."""
     from planner_service.core.cost import shard_workload
-    from planner_service.solvers import flashcp_refine as refine
 
     n = data.draw(st.integers(2, 4))
     lengths = data.draw(st.lists(st.integers(1, 80), min_size=1, max_size=6))
-    ranks = flashcp._Ranks(n, sum(lengths))
+    ranks = Ranks(n, sum(lengths))
     for d, length in enumerate(lengths):
         cuts = sorted(data.draw(st.sets(st.integers(1, length - 1), max_size=3)) if length > 1 else [])
         for a, b in zip([0, *cuts], [*cuts, length], strict=True):
@@ -108,7 +107,7 @@ def test_descend_keeps_tokens_and_positions_and_lowers_the_receive(data):
     allowed = max(ranks.work) * data.draw(st.sampled_from([1.0, 1.1, 1.5]))
     before_tokens = list(ranks.tokens)
     before = max(comm_volumes(ranks.shards).alltoallv_recv)
-    result = refine._descend(ranks, allowed, 8)
+    result = refine.descend(ranks, allowed, 8)
     assert [sum(s.end - s.start for s in r) for r in ranks.shards] == before_tokens
     assert sorted((s.doc, p) for r in ranks.shards for s in r for p in range(s.start, s.end)) == sorted(
         (d, p) for d, length in enumerate(lengths) for p in range(length))
@@ -132,19 +131,18 @@ def test_crossing_equals_the_slow_reference(a, b):
         if position(mine, k, True) <= position(theirs, k, False):
             break
         expected = k
-    assert flashcp._crossing(mine, theirs) == expected
+    assert refine.crossing(mine, theirs) == expected
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.data())
 def test_fold_keeps_positions_and_lowers_the_receive_comm_volumes_reports(data):
     """Two ranks and three docs of up to 60 tokens: doc x (ends on rank 0's top stretch),
-    doc y (its lowest positions on rank 1) and doc z (cut between them). Whatever ``_fold``
+    doc y (its lowest positions on rank 1) and doc z (cut between them). Whatever ``refine.fold``
     returns must move the same positions as the top move it replaces, move work within
     [wanted, most], and give a larger receive below the top move's, both as comm_volumes
     computes them on the whole layout (the reference)."""
     from planner_service.core.cost import shard_workload
-    from planner_service.solvers import flashcp_refine as refine
 
     lengths = [data.draw(st.integers(2, 60)) for _ in range(3)]
     x, y, z = 0, 1, 2
@@ -156,7 +154,7 @@ def test_fold_keeps_positions_and_lowers_the_receive_comm_volumes_reports(data):
     held = [{}, {}]
     for (d, i), r in owner.items():
         held[r].setdefault(d, []).append(pieces[d][i])
-    held = [{d: refine._merged(iv) for d, iv in h.items()} for h in held]
+    held = [{d: refine.merged(iv) for d, iv in h.items()} for h in held]
     if x not in held[0] or y not in held[1]:
         return
     count = data.draw(st.integers(1, min(held[0][x][-1][1] - held[0][x][-1][0],
@@ -167,14 +165,14 @@ def test_fold_keeps_positions_and_lowers_the_receive_comm_volumes_reports(data):
     def layout(mine_x, given_x, their_y, given_y):
         ranks = [dict(held[0]), dict(held[1])]
         ranks[0][x], ranks[1][y] = mine_x, their_y
-        ranks[1][x] = refine._merged(held[1].get(x, []) + given_x)
-        ranks[0][y] = refine._merged(held[0].get(y, []) + given_y)
-        return [[flashcp.Shard(d, a, b) for d, iv in r.items() for a, b in iv] for r in ranks]
+        ranks[1][x] = refine.merged(held[1].get(x, []) + given_x)
+        ranks[0][y] = refine.merged(held[0].get(y, []) + given_y)
+        return [[Shard(d, a, b) for d, iv in r.items() for a, b in iv] for r in ranks]
 
-    mine_kept, mine_given = refine._take(held[0][x], count, True)
-    their_kept, their_given = refine._take(held[1][y], count, False)
+    mine_kept, mine_given = refine.take(held[0][x], count, True)
+    their_kept, their_given = refine.take(held[1][y], count, False)
     top = layout(mine_kept, mine_given, their_kept, their_given)
-    fold = refine._fold(held[0], held[1], x, y, goal, most, count)
+    fold = refine.fold(held[0], held[1], x, y, goal, most, count)
     if fold is None:
         return
     folded = layout(*fold)
@@ -183,8 +181,8 @@ def test_fold_keeps_positions_and_lowers_the_receive_comm_volumes_reports(data):
     assert sorted((d, p) for r in top for d, a, b in r for p in range(a, b)) == sorted(
         (d, p) for r in folded for d, a, b in r for p in range(a, b))
     work = lambda shards: sum(shard_workload(s.start, s.end - s.start) for s in shards)  # noqa: E731
-    moved = work(folded[1]) - sum(work([flashcp.Shard(d, a, b) for a, b in iv]) for d, iv in held[1].items())
-    top_moved = work(top[1]) - sum(work([flashcp.Shard(d, a, b) for a, b in iv]) for d, iv in held[1].items())
+    moved = work(folded[1]) - sum(work([Shard(d, a, b) for a, b in iv]) for d, iv in held[1].items())
+    top_moved = work(top[1]) - sum(work([Shard(d, a, b) for a, b in iv]) for d, iv in held[1].items())
     assert min(goal, top_moved) <= moved <= most
     assert max(comm_volumes(folded).alltoallv_recv) < max(comm_volumes(top).alltoallv_recv)
 
@@ -194,14 +192,13 @@ def test_fold_keeps_positions_and_lowers_the_receive_comm_volumes_reports(data):
        st.lists(st.integers(0, 80), min_size=2, max_size=8, unique=True),
        st.integers(1, 3000))
 def test_count_for_equals_the_slow_reference(a, b, goal):
-    from planner_service.solvers import flashcp_refine as refine
 
     def intervals(points):
         points = sorted(points)[: len(points) // 2 * 2]
         return [(points[i], points[i + 1]) for i in range(0, len(points), 2)]
 
     mine, theirs = intervals(a), intervals(b)
-    limit = flashcp._crossing(mine, theirs)
+    limit = refine.crossing(mine, theirs)
     if limit == 0:
         return
     # Pair k moves (my k-th highest + 1) - (their k-th lowest + 1): add pairs while within goal.
@@ -211,12 +208,12 @@ def test_count_for_equals_the_slow_reference(a, b, goal):
         if moved > goal:
             break
         expected = k
-    assert refine._count_for(mine, theirs, goal, limit) == max(1, expected)
+    assert refine.count_for(mine, theirs, goal, limit) == max(1, expected)
 
 
 def test_zigzag_gives_each_rank_two_chunks_of_equal_size():
-    ranks = flashcp._Ranks(3, 100)
-    flashcp._zigzag(ranks, [0, 1, 2], doc=0, length=61)
+    ranks = Ranks(3, 100)
+    zigzag(ranks, [0, 1, 2], doc=0, length=61)
     assert tokens(ranks.shards) in ([20, 20, 21], [20, 21, 20], [21, 20, 20])
     assert all(len(rank) == 2 for rank in ranks.shards)
     assert max(ranks.work) - min(ranks.work) <= 61

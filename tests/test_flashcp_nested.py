@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner_service.core.plan import Shard
-from planner_service.solvers import flashcp
-from planner_service.solvers.flashcp_nested import Role, nested_chunks, nested_zigzag
+from planner_service.solvers.flashcp.nested import Role, nested_chunks, nested_zigzag
+from planner_service.solvers.flashcp.ranks import Ranks
 
 
 def need(positions: set[int]) -> int:
@@ -55,7 +55,7 @@ def test_nested_chunks_meet_a_bound_the_equal_zigzag_misses():
 @given(st.data())
 def test_nested_zigzag_places_every_position_once_within_the_rooms(data):
     n = data.draw(st.integers(2, 5))
-    ranks = flashcp._Ranks(n, 400)
+    ranks = Ranks(n, 400)
     for r in range(n):  # some docs already placed, whole
         size = data.draw(st.integers(0, 150))
         if size:

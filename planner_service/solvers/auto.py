@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import partial
 
 from planner_service.core.build import Layout, build_plan
 from planner_service.core.request import PlanRequest
@@ -48,10 +47,3 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
 DESCRIPTION = ("The layout among flashcp, per_doc and llama3 with the lowest estimated step "
                "time (compared under all-to-all-v)")
 COMM_MODE = "alltoallv"
-
-# Until the registry lists the strategies in its own table, ``auto`` registers itself here
-# with the registry's lookup; the registry's entry needs exactly these names.
-from planner_service.solvers.registry import Strategy, get_strategy, register  # noqa: E402
-
-register(Strategy(name="auto", description=DESCRIPTION, solver=partial(auto_layout, lookup=get_strategy),
-                  comm_mode=COMM_MODE))

@@ -18,7 +18,6 @@ registry's ``get_strategy``), so this module does not import the registry that l
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Protocol
 
 from planner_service.core.build import GroupLayout, Layout
@@ -138,10 +137,3 @@ def group_layouts(
 DESCRIPTION = ("FCP: each doc a sequence; BFD into atomic groups, 2D DP over any-integer CP "
                "degrees on a profiled cost model, flashcp inside each group")
 COMM_MODE = "alltoallv"
-
-# Until the registry lists the strategies in its own table, ``fcp`` registers itself here
-# with the registry's lookup; the registry's entry needs exactly these names.
-from planner_service.solvers.registry import Strategy, get_strategy, register  # noqa: E402
-
-register(Strategy(name="fcp", description=DESCRIPTION, solver=partial(fcp_layout, lookup=get_strategy),
-                  comm_mode=COMM_MODE, options=OPTIONS))

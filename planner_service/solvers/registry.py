@@ -1,13 +1,16 @@
-"""One mapping from strategy name to solver, and the entry point ``solve``.
+"""One table from strategy name to solver (``STRATEGIES``), and the entry point ``solve``.
 
 Every strategy has the same signature ``(doc_lengths, request) -> Layout``: a pure
-function of the (already truncated) lengths and the request's options.
+function of the (already truncated) lengths and the request's options. The fast
+strategies (baselines, flashcp, flashcp_paper) are imported with this module; the slow
+ones (ilp, fcp, auto) import their modules, and with them OR-Tools and pandas, on first
+use (``prepare`` does it ahead of a timed solve).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -16,7 +19,7 @@ from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
 from planner_service.core.validate import validate_plan
 from planner_service.solvers.baselines import llama3_layout, per_doc_layout, ring_layout
-from planner_service.solvers.flashcp import flashcp_layout
+from planner_service.solvers.flashcp import flashcp_layout, paper_layout
 
 Solver = Callable[[Sequence[int], PlanRequest], Layout]
 
@@ -30,21 +33,146 @@ class Strategy:
     """The exchange this strategy's runtime uses unless the request overrides it."""
     options: Mapping[str, str] = field(default_factory=dict)
     """Strategy-specific request options: name -> description."""
+    load: Callable[[], object] | None = None
+    """Imports a slow strategy's module (``prepare``); None: imported with the registry."""
 
 
-STRATEGIES: dict[str, Strategy] = {}
+class _LazyOptions(Mapping[str, str]):
+    """A slow strategy's options, read from its module on first use (so listing or
+    checking options of another strategy never imports OR-Tools or pandas)."""
+
+    def __init__(self, load: Callable[[], Mapping[str, str]]) -> None:
+        self._load = load
+        self._options: Mapping[str, str] | None = None
+
+    def _get(self) -> Mapping[str, str]:
+        if self._options is None:
+            self._options = self._load()
+        return self._options
+
+    def __getitem__(self, key: str) -> str:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
-def register(strategy: Strategy) -> Strategy:
-    """Add a strategy; names are unique."""
-    assert strategy.name not in STRATEGIES, f"strategy {strategy.name} registered twice"
-    STRATEGIES[strategy.name] = strategy
-    return strategy
+# The slow strategies import their modules (OR-Tools, pandas) only when they solve.
+
+
+def _ilp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+    from planner_service.solvers.ilp import ilp_layout
+
+    return ilp_layout(doc_lengths, request)
+
+
+def _ilp_options() -> Mapping[str, str]:
+    from planner_service.solvers.ilp import OPTIONS
+
+    return OPTIONS
+
+
+def _fcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+    from planner_service.solvers.fcp_strategy import fcp_layout
+
+    return fcp_layout(doc_lengths, request, lookup=get_strategy)
+
+
+def _fcp_options() -> Mapping[str, str]:
+    from planner_service.solvers.fcp_strategy import OPTIONS
+
+    return OPTIONS
+
+
+def _auto_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+    from planner_service.solvers.auto import auto_layout
+
+    return auto_layout(doc_lengths, request, lookup=get_strategy)
+
+
+def _auto_load() -> object:
+    from planner_service.solvers import auto
+
+    return auto
+
+
+STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
+    Strategy(
+        name="llama3",
+        description="Llama 3 CP: packed sequence in 2N equal chunks, chunk i and 2N-1-i on rank i; "
+        "full all-gather",
+        solver=llama3_layout,
+        comm_mode="full",
+    ),
+    Strategy(
+        name="per_doc",
+        description="Per-Doc CP (WLB-LLM): every doc in 2N chunks, zigzag per doc; full all-gather",
+        solver=per_doc_layout,
+        comm_mode="full",
+    ),
+    Strategy(
+        name="ring",
+        description="Ring attention: packed sequence in N contiguous chunks; P2P ring exchange",
+        solver=ring_layout,
+        comm_mode="p2p_ring",
+    ),
+    Strategy(
+        name="zigzag",
+        description="Zigzag ring attention (ring-flash-attention varlen): per-doc zigzag; P2P ring "
+        "exchange",
+        solver=per_doc_layout,
+        comm_mode="p2p_ring",
+    ),
+    Strategy(
+        name="flashcp",
+        description="FlashCP: balanced whole-doc passes, zigzag or nested cuts for the docs no rank "
+        "can hold, token-neutral refinement; least critical-path volume of the request's exchange "
+        "at imbalance <= R (default all-to-all-v)",
+        solver=flashcp_layout,
+        comm_mode="alltoallv",
+    ),
+    Strategy(
+        name="flashcp_paper",
+        description="FlashCP Algorithm 1 as published: LPT whole docs, adaptive Whole-Doc splits, "
+        "Per-Doc for the longest docs until imbalance <= R; compact all-gather",
+        solver=paper_layout,
+        comm_mode="compact_allgather",
+    ),
+    Strategy(
+        name="ilp",
+        description="OR-Tools CP-SAT block placement: min critical-path KV at imbalance <= R (or "
+        "min max workload), flashcp as hint and fallback; status, bound and gap in the plan info",
+        solver=_ilp_layout,
+        comm_mode="alltoallv",
+        options=_LazyOptions(_ilp_options),
+        load=_ilp_options,
+    ),
+    Strategy(
+        name="fcp",
+        description="FCP: each doc a sequence; BFD into atomic groups, 2D DP over any-integer CP "
+        "degrees on a profiled cost model, flashcp inside each group",
+        solver=_fcp_layout,
+        comm_mode="alltoallv",
+        options=_LazyOptions(_fcp_options),
+        load=_fcp_options,
+    ),
+    Strategy(
+        name="auto",
+        description="The layout among flashcp, per_doc and llama3 with the lowest estimated step "
+        "time (compared under all-to-all-v)",
+        solver=_auto_layout,
+        comm_mode="alltoallv",
+        load=_auto_load,
+    ),
+)}
+"""Every strategy, by name: one explicit table."""
 
 
 def get_strategy(name: str) -> Strategy:
     """Look up a strategy; raises ValueError listing the valid names."""
-    _load_optional()
     try:
         return STRATEGIES[name]
     except KeyError:
@@ -54,8 +182,15 @@ def get_strategy(name: str) -> Strategy:
 
 
 def strategy_names() -> list[str]:
-    _load_optional()
     return sorted(STRATEGIES)
+
+
+def prepare(name: str) -> None:
+    """Import a strategy's module now (the slow ones load on first use), so a timed solve
+    that follows measures the solve, not the imports. Unknown names are left to ``solve``."""
+    strategy = STRATEGIES.get(name)
+    if strategy is not None and strategy.load is not None:
+        strategy.load()
 
 
 def solve(request: PlanRequest, *, check: bool = True) -> Plan:
@@ -102,61 +237,3 @@ def timed_solve(request: PlanRequest, *, check: bool = True) -> Solved:
     plan = solve(request, check=check)
     return Solved(plan, (time.perf_counter() - start) * 1e3)
 
-
-def _load_optional() -> None:
-    """Import strategy modules that register themselves (ilp, fcp, auto) if present."""
-    import importlib
-
-    for module in (
-        "planner_service.solvers.ilp",
-        "planner_service.solvers.fcp_strategy",
-        "planner_service.solvers.auto",
-    ):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-
-
-register(
-    Strategy(
-        name="llama3",
-        description="Llama 3 CP: packed sequence in 2N equal chunks, chunk i and 2N-1-i on rank i; full all-gather",
-        solver=llama3_layout,
-        comm_mode="full",
-    )
-)
-register(
-    Strategy(
-        name="per_doc",
-        description="Per-Doc CP (WLB-LLM): every doc in 2N chunks, zigzag per doc; full all-gather",
-        solver=per_doc_layout,
-        comm_mode="full",
-    )
-)
-register(
-    Strategy(
-        name="ring",
-        description="Ring attention: packed sequence in N contiguous chunks; P2P ring exchange",
-        solver=ring_layout,
-        comm_mode="p2p_ring",
-    )
-)
-register(
-    Strategy(
-        name="zigzag",
-        description="Zigzag ring attention (ring-flash-attention varlen): per-doc zigzag; P2P ring exchange",
-        solver=per_doc_layout,
-        comm_mode="p2p_ring",
-    )
-)
-register(
-    Strategy(
-        name="flashcp",
-        description="FlashCP Algorithm 1: LPT whole docs, adaptive Whole-Doc splits, Per-Doc for the "
-        "longest docs until imbalance <= R; compact exchange",
-        solver=flashcp_layout,
-        comm_mode="alltoallv",
-    )
-)

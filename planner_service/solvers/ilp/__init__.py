@@ -41,10 +41,3 @@ __all__ = [
     "solve_blocks",
     "workload_cap",
 ]
-
-# Until the registry lists the strategies in its own table, ``ilp`` registers itself here
-# (the registry imports this package); the registry's entry needs exactly these names.
-from planner_service.solvers.registry import Strategy, register  # noqa: E402
-
-register(Strategy(name="ilp", description=DESCRIPTION, solver=ilp_layout, comm_mode=COMM_MODE,
-                  options=OPTIONS))

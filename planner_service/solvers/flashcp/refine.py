@@ -1,36 +1,35 @@
-"""Local search that refines a FlashCP layout after the balanced pass (``flashcp.py``).
+"""Local search that refines a FlashCP layout after the balanced pass (``place.py``).
 
 Both moves exchange positions between two ranks without changing any rank's token count,
 so the layout keeps its T tokens per rank; only workload and KV traffic change:
 
-- ``_exchange`` (balance): while the busiest rank exceeds the allowed workload, it gives
+- ``exchange`` (balance): while the busiest rank exceeds the allowed workload, it gives
   its highest positions of a doc for as many of the lowest positions of a doc on a light
   rank (a later token carries more work: query i attends i + 1 keys); across docs, a
-  middle stretch of the doc (``_fold``) where that needs less KV than its top;
-- ``_descend`` (comm): the rank receiving the most KV gives the top stretch of a doc it
+  middle stretch of the doc (``fold``) where that needs less KV than its top;
+- ``descend`` (comm): the rank receiving the most KV gives the top stretch of a doc it
   shares with another rank for that rank's lowest positions of the doc, or gives a doc it
   holds whole for as many of the partner's highest positions of a shared doc (filling the
   gap below its own top stretch, ``_best_absorb``), while both stay within the allowed
   workload, so the critical-path receive shrinks.
 
-The layout under construction is ``flashcp._Ranks``; the heuristic that builds it (and
-decides when to run these moves) is in ``planner_service/solvers/flashcp.py``.
+The layout under construction is ``ranks.Ranks``; ``solve.py`` decides when to run these
+moves.
+
+Complexity, with s shards on the ranks involved: ``exchange`` makes at most ``max_moves``
+moves, each O(N log N + s log s) (the partner, the candidate pairs of at most
+``CROSS_DOCS`` x 2 docs, ``FOLD_COUNTS`` folds); ``descend`` makes at most ``max_steps``
+steps, each O(N x shared docs x s) for the pairs and ``ABSORB_TRIES`` whole docs per pair
+(binary search over a rank's whole docs), after an O(s log s) setup.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Container, Sequence
-from typing import TYPE_CHECKING
 
 from planner_service.core.plan import Shard
-
-if TYPE_CHECKING:
-    # Type only: flashcp imports this module at run time.
-    from planner_service.solvers.flashcp import _Ranks
-
-
-_new_shard = tuple.__new__  # Shard(doc, start, end) without NamedTuple's Python-level __new__
+from planner_service.solvers.flashcp.ranks import Ranks, new_shard
 
 ABSORB_TRIES = 2
 """Whole docs (the longest that fit) ``_best_absorb`` tries per shared doc and partner."""
@@ -48,7 +47,7 @@ than down to the mean moves fewer tokens, so less KV."""
 Intervals = list[tuple[int, int]]
 
 
-def _take(intervals: Intervals, count: int, top: bool) -> tuple[Intervals, Intervals]:
+def take(intervals: Intervals, count: int, top: bool) -> tuple[Intervals, Intervals]:
     """Split sorted disjoint intervals into (kept, taken): the ``count`` highest (``top``)
     or lowest positions are taken."""
     kept: Intervals = list(intervals)
@@ -68,7 +67,7 @@ def _take(intervals: Intervals, count: int, top: bool) -> tuple[Intervals, Inter
     return kept, taken
 
 
-def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
+def exchange(ranks: Ranks, allowed: float, max_moves: int = 8) -> None:
     """Rebalance without changing any rank's token count: the busiest rank gives its
     highest positions of a doc and takes as many of the lowest positions of a doc on the
     lightest rank (``PARTNERS``; a later token carries more work: query i attends i + 1
@@ -92,13 +91,13 @@ def _exchange(ranks: _Ranks, allowed: float, max_moves: int = 8) -> None:
         _exchange_moves(ranks, allowed, max_moves, mean, intervals, changed)
     finally:
         for rank in changed:
-            ranks.shards[rank] = [_new_shard(Shard, (doc, a, b))
+            ranks.shards[rank] = [new_shard(Shard, (doc, a, b))
                                   for doc, iv in cache[rank].items() for a, b in iv]
 
 
-def _exchange_moves(ranks: _Ranks, allowed: float, max_moves: int, mean: float,
+def _exchange_moves(ranks: Ranks, allowed: float, max_moves: int, mean: float,
                     intervals, changed: set[int]) -> None:
-    """The moves of ``_exchange`` on the ranks' intervals (``intervals(rank)``), recording
+    """The moves of ``exchange`` on the ranks' intervals (``intervals(rank)``), recording
     the ranks they change; workloads are updated as they go."""
     n = len(ranks.work)
     for _ in range(max_moves):
@@ -118,13 +117,13 @@ def _exchange_moves(ranks: _Ranks, allowed: float, max_moves: int, mean: float,
         if best is None:
             return
         other, x, y, theirs, goal, limit = best
-        count = _count_for(held[x], theirs[y], goal, limit)
-        mine_kept, mine_given = _take(held[x], count, True)
-        their_kept, their_given = _take(theirs[y], count, False)
+        count = count_for(held[x], theirs[y], goal, limit)
+        mine_kept, mine_given = take(held[x], count, True)
+        their_kept, their_given = take(theirs[y], count, False)
         cap = next(most for rank, _, most, _ in partners if rank == other)
-        fold = _fold(held, theirs, x, y, goal, cap, count) if x != y else None
-        if fold is not None:
-            mine_kept, mine_given, their_kept, their_given = fold
+        folded = fold(held, theirs, x, y, goal, cap, count) if x != y else None
+        if folded is not None:
+            mine_kept, mine_given, their_kept, their_given = folded
         if x == y:
             ranks.work[busy] += _set_docs(held, {x: mine_kept + their_given})
             ranks.work[other] += _set_docs(theirs, {x: their_kept + mine_given})
@@ -156,10 +155,10 @@ def _need(intervals: Sequence[tuple[int, int]]) -> int:
 
 
 FOLD_COUNTS = 6
-"""Sizes of the middle stretch tried by ``_fold`` (a geometric grid)."""
+"""Sizes of the middle stretch tried by ``fold`` (a geometric grid)."""
 
 
-def _fold(held: dict[int, list[tuple[int, int]]], theirs: dict[int, list[tuple[int, int]]],
+def fold(held: dict[int, list[tuple[int, int]]], theirs: dict[int, list[tuple[int, int]]],
           x: int, y: int, goal: float, most_work: float, count: int):
     """A cheaper form of the cross-doc exchange, or None. The exchange gives the partner my
     top ``count`` positions of doc x (it then needs x's prefix up to there) for their
@@ -168,7 +167,7 @@ def _fold(held: dict[int, list[tuple[int, int]]], theirs: dict[int, list[tuple[i
     given: the fold the exact ILP uses for heavy docs. Taken when it lowers the larger of
     the two ranks' receives and moves at least ``goal`` work (the top move's work at most)
     and at most ``most_work`` (what the partner may take). Returns (my x kept, given;
-    their y kept, given) like the top move's ``_take``s.
+    their y kept, given) like the top move's ``take``s.
     """
     def receives(mine_x, mine_y, their_x, their_y) -> int:
         mine = base_mine + _need(mine_x) + _need(mine_y)
@@ -179,26 +178,26 @@ def _fold(held: dict[int, list[tuple[int, int]]], theirs: dict[int, list[tuple[i
     # Receives without docs x and y, which every candidate changes.
     base_mine = sum(_need(iv) for d, iv in held.items() if d not in (x, y))
     base_their = sum(_need(iv) for d, iv in theirs.items() if d not in (x, y))
-    kept, given = _take(mine_iv, count, True)
-    their_kept, their_given = _take(their_iv, count, False)
-    top_work = _edge_work(mine_iv, count, True) - _edge_work(their_iv, count, False)
-    best_cost = receives(kept, _merged(held.get(y, []) + their_given),
-                         _merged(theirs.get(x, []) + given), their_kept)
+    kept, given = take(mine_iv, count, True)
+    their_kept, their_given = take(their_iv, count, False)
+    top_work = edge_work(mine_iv, count, True) - edge_work(their_iv, count, False)
+    best_cost = receives(kept, merged(held.get(y, []) + their_given),
+                         merged(theirs.get(x, []) + given), their_kept)
     want = min(goal, top_work)
     s, e = mine_iv[-1]
     most = min(e - s, sum(b - a for a, b in their_iv))
     best = None
     for k in range(FOLD_COUNTS):
         c = max(1, round(most ** ((k + 1) / FOLD_COUNTS)))
-        low = _edge_work(their_iv, c, False)
+        low = edge_work(their_iv, c, False)
         # c positions from a on move c (2a + c + 1) / 2 - low work: the least a moving ``want``.
         a = max(s, math.ceil((want + low) / c - (c + 1) / 2))
         if a + c >= e or c * (2 * a + c + 1) // 2 - low > most_work:
             continue  # the top move, or too much work for the partner
         mine_x = mine_iv[:-1] + ([(s, a)] if a > s else []) + [(a + c, e)]
-        their_kept_c, their_given_c = _take(their_iv, c, False)
-        cost = receives(mine_x, _merged(held.get(y, []) + their_given_c),
-                        _merged(theirs.get(x, []) + [(a, a + c)]), their_kept_c)
+        their_kept_c, their_given_c = take(their_iv, c, False)
+        cost = receives(mine_x, merged(held.get(y, []) + their_given_c),
+                        merged(theirs.get(x, []) + [(a, a + c)]), their_kept_c)
         if cost < best_cost:
             best_cost, best = cost, (mine_x, [(a, a + c)], their_kept_c, their_given_c)
     return best
@@ -224,15 +223,15 @@ def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *, shared
             if mine_iv[-1][1] - 1 - their_iv[0][0] > most:
                 continue
             if len(mine_iv) == 1 and len(their_iv) == 1:
-                # One stretch each (most docs are whole): _crossing and _edge_work in closed
+                # One stretch each (most docs are whole): crossing and edge_work in closed
                 # form; k pairs move k (my end - their start - k) work.
                 span = mine_iv[0][1] - their_iv[0][0]
                 limit = max(0, min(mine_iv[0][1] - mine_iv[0][0], their_iv[0][1] - their_iv[0][0],
                                    span // 2))
                 potential = limit * (span - limit)
             else:
-                limit = _crossing(mine_iv, their_iv)
-                potential = _edge_work(mine_iv, limit, True) - _edge_work(their_iv, limit, False)
+                limit = crossing(mine_iv, their_iv)
+                potential = edge_work(mine_iv, limit, True) - edge_work(their_iv, limit, False)
             if potential <= 0:
                 continue
             key = (potential >= goal, 0 if shared else -mine_iv[-1][1], min(goal, potential))
@@ -241,7 +240,7 @@ def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *, shared
     return None if best is None else best[1]
 
 
-def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
+def descend(ranks: Ranks, allowed: float, max_steps: int) -> int:
     """Lower the critical-path KV within the balance limit: the rank receiving most gives
     the top stretch of a doc it shares with another rank for as many of that rank's lowest
     positions of the doc, so its need of the doc's prefix shrinks and the partner's grows;
@@ -285,14 +284,14 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
                 # better than that (prune).
                 if recv[other] - their_end + my_end >= (recv[top] if best is None else best[0]):
                     continue
-                limit = _crossing(mine, theirs)
+                limit = crossing(mine, theirs)
                 if limit <= 0:
                     continue
                 # Up to the crossing, more positions move more work: ``most`` is the largest
                 # count the partner can take (at least 1, which may already be too much).
                 room = allowed - ranks.work[other]
-                most = _count_for(mine, theirs, room, limit)
-                if most == 1 and _edge_work(mine, 1, True) - _edge_work(theirs, 1, False) > room:
+                most = count_for(mine, theirs, room, limit)
+                if most == 1 and edge_work(mine, 1, True) - edge_work(theirs, 1, False) > room:
                     continue
                 their_size = size[other][doc]
                 for count in sorted({min(my_end - mine[-1][0], most), min(limit // 2, most), most}):
@@ -317,10 +316,10 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
         elif best is not None:
             _, other, doc, count, _, _ = best
             mine, theirs = held[top][doc], held[other][doc]
-            mine_kept, mine_given = _take(mine, count, True)
-            their_kept, their_given = _take(theirs, count, False)
-            new_mine, new_theirs = _merged(mine_kept + their_given), _merged(their_kept + mine_given)
-            moved = _edge_work(theirs, count, False) - _edge_work(mine, count, True)
+            mine_kept, mine_given = take(mine, count, True)
+            their_kept, their_given = take(theirs, count, False)
+            new_mine, new_theirs = merged(mine_kept + their_given), merged(their_kept + mine_given)
+            moved = edge_work(theirs, count, False) - edge_work(mine, count, True)
         else:
             break
         held[top][doc], held[other][doc] = new_mine, new_theirs
@@ -331,12 +330,12 @@ def _descend(ranks: _Ranks, allowed: float, max_steps: int) -> int:
         changed.update((top, other))
     # The changed ranks' shards, from their whole docs and their intervals of shared docs.
     for r in changed:
-        ranks.shards[r] = [_new_shard(Shard, (doc, 0, length)) for doc, length in lengths[r].items()]
-        ranks.shards[r] += [_new_shard(Shard, (doc, a, b)) for doc, iv in held[r].items() for a, b in iv]
+        ranks.shards[r] = [new_shard(Shard, (doc, 0, length)) for doc, length in lengths[r].items()]
+        ranks.shards[r] += [new_shard(Shard, (doc, a, b)) for doc, iv in held[r].items() for a, b in iv]
     return max(recv)
 
 
-def _best_absorb(ranks: _Ranks, held: list, needs: list, recv: list[int], top: int,
+def _best_absorb(ranks: Ranks, held: list, needs: list, recv: list[int], top: int,
                  allowed: float, lengths: list[dict[int, int]], bound: int):
     """The best move in which the rank receiving most gives a doc it holds whole to a
     partner for as many of the partner's highest positions of a doc both share: the gap
@@ -374,8 +373,8 @@ def _best_absorb(ranks: _Ranks, held: list, needs: list, recv: list[int], top: i
                 moved = _absorb_work(theirs, length)
                 if moved > room or ranks.work[other] - moved > allowed:
                     continue
-                kept, given = _take(theirs, length, True)
-                new_mine = _merged(mine + given)
+                kept, given = take(theirs, length, True)
+                new_mine = merged(mine + given)
                 top_recv = recv[top] - need_mine + _need(new_mine)
                 other_recv = recv[other] - need_theirs + _need(kept)
                 worst = max(top_recv, other_recv)
@@ -387,7 +386,7 @@ def _best_absorb(ranks: _Ranks, held: list, needs: list, recv: list[int], top: i
 def _absorb_work(theirs: Sequence[tuple[int, int]], length: int) -> int:
     """Work I gain taking the ``length`` highest positions of ``theirs`` for a whole doc of
     that length."""
-    return _edge_work(theirs, length, True) - length * (length + 1) // 2
+    return edge_work(theirs, length, True) - length * (length + 1) // 2
 
 
 def _end_below(intervals: Sequence[tuple[int, int]], count: int) -> int:
@@ -409,7 +408,7 @@ def _end_of_lowest(intervals: Sequence[tuple[int, int]], count: int) -> int:
     return intervals[-1][1]
 
 
-def _merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for a, b in sorted(intervals):
         if out and out[-1][1] == a:
@@ -419,7 +418,7 @@ def _merged(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _crossing(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]]) -> int:
+def crossing(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]]) -> int:
     """How many of my highest positions lie above as many of their lowest: exchanging
     more would move work back, so the exchange moves most work there. One merge walk:
     my positions downwards from the top, theirs upwards from the bottom."""
@@ -461,7 +460,7 @@ def _stretches(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]
             bottom = theirs[j][0]
 
 
-def _count_for(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]], goal: float,
+def count_for(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]], goal: float,
                limit: int) -> int:
     """The largest count up to ``limit`` whose exchange moves at most ``goal`` work (the
     work moved grows with the count up to ``limit``), and at least 1.
@@ -490,7 +489,7 @@ def _count_for(mine: Sequence[tuple[int, int]], theirs: Sequence[tuple[int, int]
     return max(1, count)
 
 
-def _edge_work(intervals: Sequence[tuple[int, int]], count: int, top: bool) -> int:
+def edge_work(intervals: Sequence[tuple[int, int]], count: int, top: bool) -> int:
     """Work of the ``count`` highest (``top``) or lowest positions of sorted intervals."""
     if len(intervals) == 1 and count <= intervals[0][1] - intervals[0][0]:
         lo = intervals[0][1] - count if top else intervals[0][0]  # one stretch: one term
@@ -506,7 +505,7 @@ def _edge_work(intervals: Sequence[tuple[int, int]], count: int, top: bool) -> i
     return total
 
 
-def _intervals(ranks: _Ranks, rank: int, docs: Container[int] | None = None) -> dict[int, list[tuple[int, int]]]:
+def _intervals(ranks: Ranks, rank: int, docs: Container[int] | None = None) -> dict[int, list[tuple[int, int]]]:
     """The rank's shards (of ``docs`` only, if given) as sorted position intervals per doc."""
     out: dict[int, list[tuple[int, int]]] = {}
     for s in ranks.shards[rank]:

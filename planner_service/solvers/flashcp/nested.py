@@ -1,6 +1,6 @@
 """Nested zigzag: a doc no rank can hold whole, cut for the least KV on the critical path.
 
-FlashCP's Per-Doc zigzag (``flashcp._zigzag``) cuts such a doc into 2m equal chunks,
+FlashCP's Per-Doc zigzag (``ranks.zigzag``) cuts such a doc into 2m equal chunks,
 chunk i and 2m-1-i on the i-th of m ranks: equal workloads, but the rank holding the
 outermost pair needs the doc's prefix up to the top minus its two chunks, (m-1)/m of the
 doc. The exact ILP's placements of such docs (bench/results/ilp_compare.md) are nested
@@ -22,26 +22,35 @@ keeps l_{i+1}, the next roles' need, small). Two choices of k_i are tried depth 
 most (least span left for the inner roles) and the fewest (least work, so the shortest low
 chunk); the last role takes the whole span left. A binary search over D and a loop over m
 keep the least D found. The budget counts that the room a role leaves will be filled later
-at ``density`` (work per token of the docs not yet placed), as ``flashcp._ends`` does.
+at ``density`` (work per token of the docs not yet placed), as ``place.ends`` does.
 
-The two-choice search is a heuristic: a D it proves feasible is met, but the binary search
-may miss a smaller feasible D (feasibility is not monotone in D under the two choices).
+The search is a heuristic: a D it proves feasible is met, but the binary search may miss a
+smaller feasible D (feasibility is not monotone in D under the two choices).
+
+Bounds: the depth-first search visits at most ``NODES`` nodes per bound tried (it fails
+that bound once they are spent; the full two-choice tree over m roles has 2^(m+1) - 1
+nodes, so for m <= 8 the search is exhaustive), each O(1). The loop over m tries the
+fewest ranks whose room covers the doc, m0, up to m0 + ``WIDTHS`` - 1 (m = 2 .. N when
+N <= ``WIDTHS`` + 1), each with about log2(``STEPS``) + 2 bounds. One doc then costs
+O(N log N + WIDTHS x log STEPS x NODES), independent of N beyond the sort of the ranks.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from planner_service.core.cost import alltoallv_receives
-
-if TYPE_CHECKING:
-    # Type only: flashcp imports this module at run time.
-    from planner_service.solvers.flashcp import _Ranks
+from planner_service.solvers.flashcp.ranks import Ranks
 
 STEPS = 128
 """The bound is searched to within length / STEPS tokens (about 7 halvings, not 15)."""
+NODES = 512
+"""Nodes the depth-first search may visit per bound: the whole two-choice tree up to 8
+roles (511 nodes), a capped beam beyond."""
+WIDTHS = 8
+"""Numbers of ranks m tried per doc, from the fewest whose room covers it."""
 
 Chunks = list[tuple[tuple[int, int], tuple[int, int]]]
 """Per role: ((low start, low end), (high start, high end)); empty chunks have start == end."""
@@ -61,16 +70,20 @@ class Role(NamedTuple):
 def nested_chunks(length: int, roles: Sequence[Role], bound: int, density: float) -> Chunks | None:
     """Chunks of a doc of ``length`` tokens over ``roles`` (outermost first) such that every
     role's need so far plus its need of the doc is at most ``bound``, within every role's
-    room and budget; None if the two-choice search finds none (module docstring)."""
-    return _fill(0, length, roles, 0, bound, density)
+    room and budget; None if the search finds none within ``NODES`` nodes (module
+    docstring)."""
+    return _fill(0, length, roles, 0, bound, density, [NODES])
 
 
-def _fill(low: int, high: int, roles: Sequence[Role], i: int, bound: int, density: float) -> Chunks | None:
-    """Roles i.. take the span [low, high) (depth first over the two choices of k)."""
+def _fill(low: int, high: int, roles: Sequence[Role], i: int, bound: int, density: float,
+          left: list[int]) -> Chunks | None:
+    """Roles i.. take the span [low, high) (depth first over the two choices of k);
+    ``left[0]``: nodes the search may still visit."""
     if high <= low:
         return []
-    if i == len(roles):
+    if i == len(roles) or left[0] <= 0:
         return None
+    left[0] -= 1
     role = roles[i]
     span = high - low
     fewest = span - (bound - role.need - low)  # need_i = low + span - k <= bound - need
@@ -101,22 +114,30 @@ def _fill(low: int, high: int, roles: Sequence[Role], i: int, bound: int, densit
                 continue
         else:
             continue
-        inner = _fill(low + a, high - (k - a), roles, i + 1, bound, density)
+        inner = _fill(low + a, high - (k - a), roles, i + 1, bound, density, left)
         if inner is not None:
             return [((low, low + a), (high - (k - a), high)), *inner]
     return None
 
 
-def nested_zigzag(ranks: _Ranks, doc: int, length: int, allowed: float, density: float) -> bool:
-    """Place the doc by the least-D nested chunks over m = 2 .. N ranks (the roomiest first,
-    then those needing least); False (nothing placed) if no m has a solution."""
+def nested_zigzag(ranks: Ranks, doc: int, length: int, allowed: float, density: float) -> bool:
+    """Place the doc by the least-D nested chunks over m = m0 .. m0 + WIDTHS - 1 ranks (the
+    roomiest first, then those needing least); False (nothing placed) if no m has a
+    solution."""
     n = len(ranks.work)
     cap = ranks.capacity
     needs = alltoallv_receives(ranks.shards)  # KV each rank needs so far
     order = sorted(range(n), key=lambda r: (ranks.tokens[r], needs[r], r))
     best: tuple[int, list[int], Chunks] | None = None
     step = max(1, length // STEPS)
-    for m in range(2, n + 1):
+    # m0: the fewest ranks (roomiest first) whose room covers the doc.
+    first, covered = n, 0
+    for i, r in enumerate(order):
+        covered += cap - ranks.tokens[r]
+        if covered >= length:
+            first = i + 1
+            break
+    for m in range(max(2, first), min(n, max(2, first) + WIDTHS - 1) + 1):
         chosen = order[:m]
         roles = [Role(cap - ranks.tokens[r],
                       allowed - ranks.work[r] - (cap - ranks.tokens[r]) * density, needs[r])

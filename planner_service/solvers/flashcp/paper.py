@@ -1,0 +1,158 @@
+"""FlashCP's Algorithm 1 as published (arXiv:2606.08476, lines 4-24): strategy
+``flashcp_paper``, and the fallback of ``flashcp`` when none of its passes meets R.
+
+Try k = 0, 1, 2, ... of the longest docs under Per-Doc sharding over all N ranks, place
+the rest by Whole-Doc sharding, stop at the first k whose imbalance is at most R:
+
+- LPT: docs by length, descending, each whole onto the least-loaded (by workload) rank
+  that still has room for it. Whole docs move no KV.
+- The docs that fit nowhere whole are split adaptively over the free room: the fewest
+  ranks whose room covers the doc, the lightest head on the most loaded of them and the
+  heavy tail on the least loaded, so workload stays balanced.
+
+If no k reaches R, the most balanced layout found is returned. k stops at ``MAX_PER_DOC``
+and at the first doc of at most 2N tokens (Per-Doc cuts it into chunks of one token or
+none: it cannot balance anything more).
+
+Complexity: K = min(MAX_PER_DOC, docs longer than 2N) rounds, each O(N log N) for the
+Per-Doc doc and O((D + N) log N) for the LPT and the splits (``whole_doc``,
+``split_spill``): O(K (D + N) log N).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from planner_service.core.build import GroupLayout, Layout
+from planner_service.core.cost import doc_workload, imbalance
+from planner_service.core.request import PlanRequest
+from planner_service.solvers.common import zigzag_doc_shards
+from planner_service.solvers.flashcp.ranks import Ranks
+
+MAX_PER_DOC = 64
+"""Upper bound on Per-Doc docs tried; imbalance left after that comes from integrality."""
+
+
+def whole_doc(ranks: Ranks, docs: Sequence[tuple[int, int]]) -> None:
+    """Place (doc, length) pairs, longest first, by Whole-Doc sharding (module docstring).
+
+    A min-heap of (workload, rank) over the ranks with room for the current doc; a rank
+    without room is parked (a max-heap by room) until a doc short enough for it comes, at
+    most once per doc it receives: O((D + N) log N)."""
+    cap = ranks.capacity
+    heap = [(w, r) for r, w in enumerate(ranks.work) if ranks.tokens[r] < cap]
+    heapq.heapify(heap)
+    parked: list[tuple[int, int]] = []  # (-room, rank)
+    spill = []
+    tokens = ranks.tokens
+    for doc, length in docs:
+        while parked and -parked[0][0] >= length:
+            _, rank = heapq.heappop(parked)
+            heapq.heappush(heap, (ranks.work[rank], rank))
+        while heap and cap - tokens[heap[0][1]] < length:
+            _, rank = heapq.heappop(heap)
+            heapq.heappush(parked, (tokens[rank] - cap, rank))
+        if heap:
+            _, rank = heapq.heappop(heap)
+            ranks.add(rank, doc, 0, length)
+            if tokens[rank] < cap:
+                heapq.heappush(heap, (ranks.work[rank], rank))
+        else:
+            spill.append((doc, length))
+    split_spill(ranks, spill, tail_largest=False)
+
+
+def split_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], *, tail_largest: bool) -> None:
+    """Split each doc that fits no rank whole over the roomiest ranks (fewest pieces).
+
+    Piece order: ``tail_largest`` puts the largest piece last (its rank receives only the
+    pieces before it); otherwise the lightest head goes to the most loaded rank and the
+    heavy tail to the least loaded (Algorithm 1's Whole-Doc sharding, for balance).
+    The roomiest ranks come from a max-heap of (room, rank): O(N + k log N) per doc for
+    its k pieces.
+    """
+    if not spill:
+        return
+    cap = ranks.capacity
+    roomiest = [(t - cap, r) for r, t in enumerate(ranks.tokens) if t < cap]  # (-room, rank)
+    heapq.heapify(roomiest)
+    for doc, length in spill:
+        chosen = []
+        covered = 0
+        while roomiest and covered < length:
+            minus_room, rank = heapq.heappop(roomiest)
+            chosen.append(rank)
+            covered -= minus_room
+        room = {rank: cap - ranks.tokens[rank] for rank in chosen}
+        if tail_largest:
+            # The roomiest rank takes the tail, as much as it can hold; then the next.
+            pieces = []
+            left = length
+            for rank in chosen:
+                take = min(room[rank], left)
+                pieces.append((rank, take))
+                left -= take
+            pieces.reverse()
+        else:
+            chosen.sort(key=lambda r: (-ranks.work[r], r))
+            pieces = []
+            left = length
+            for i, rank in enumerate(chosen):
+                take = left if i == len(chosen) - 1 else min(left, room[rank])
+                pieces.append((rank, take))
+                left -= take
+        start = 0
+        for rank, take in pieces:
+            if take > 0:
+                ranks.add(rank, doc, start, start + take)
+            start += take
+        for rank in chosen:
+            if ranks.tokens[rank] < cap:
+                heapq.heappush(roomiest, (ranks.tokens[rank] - cap, rank))
+
+
+def _must_exceed(length: int, per_doc: Ranks, allowed: float) -> bool:
+    """True if Whole-Doc placement provably exceeds the allowed max workload: the longest
+    remaining doc fits whole on some rank (so LPT places it whole) and alone weighs more
+    than allowed."""
+    fits = per_doc.capacity - min(per_doc.tokens) >= length
+    return fits and doc_workload(length) > allowed
+
+
+def algorithm1(
+    doc_lengths: Sequence[int], n: int, target: float, *, max_per_doc: int = MAX_PER_DOC
+) -> tuple[float, Ranks, list[int]]:
+    """Algorithm 1 (module docstring): (imbalance, layout, Per-Doc docs ascending)."""
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    allowed = target * sum(map(doc_workload, doc_lengths)) / n
+    per_doc = Ranks(n, -(-sum(doc_lengths) // n))  # the Per-Doc part, one more doc per k
+    best: tuple[float, Ranks, list[int]] | None = None
+    for k in range(min(len(order), max_per_doc) + 1):
+        if k:
+            doc = order[k - 1]
+            for rank, shard in zigzag_doc_shards(doc, doc_lengths[doc], n, np.array(per_doc.tokens)):
+                per_doc.add(rank, shard.doc, shard.start, shard.end)
+        last = k == len(order) or k == max_per_doc or doc_lengths[order[k]] <= 2 * n
+        if not last and _must_exceed(doc_lengths[order[k]], per_doc, allowed):
+            continue
+        ranks = per_doc.copy()
+        whole_doc(ranks, [(d, doc_lengths[d]) for d in order[k:]])
+        imb = imbalance(ranks.work)
+        if best is None or imb < best[0]:
+            best = (imb, ranks, sorted(order[:k]))
+        if imb <= target or last:
+            break
+    assert best is not None
+    return best
+
+
+def paper_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+    """Strategy ``flashcp_paper``: Algorithm 1's layout at the request's R."""
+    _, ranks, per_doc = algorithm1(doc_lengths, request.cp_size, request.imbalance_target)
+    return Layout(
+        groups=[GroupLayout(tuple(range(request.cp_size)), ranks.shards)],
+        info={"per_doc_docs": per_doc, "imbalance_target": request.imbalance_target},
+    )

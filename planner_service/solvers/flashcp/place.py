@@ -1,0 +1,203 @@
+"""flashcp's balanced pass: place the docs in a given order (step 1 of ``solve.py``'s
+docstring up to the spill), then finish the layout (spill, token-neutral rebalance).
+
+Each doc goes whole to the rank that lags most behind its share of the work, counting
+that every rank will still be filled to T tokens (lag = mean - load - room x the workload
+per token of the docs not yet placed), if the doc fits its token room and keeps it within
+R x mean. A doc that no rank can take within R x mean is zigzagged over the fewest
+lagging ranks (or, in the nested pass, cut by ``nested.nested_zigzag``); docs that are
+light enough but fit no rank's room are left to the spill.
+
+Complexity, D docs on N ranks: the most lagging rank comes from a heap of ranks keyed by
+load - tokens x density. The density of the docs not yet placed falls as docs are placed
+longest first, so a stored key is a lower bound of the rank's current key: the top is
+refreshed until it is current, at most ``REFRESH`` times per doc (exact while N <=
+``REFRESH``; beyond, the refreshed top is taken), and the heap is rebuilt whenever the
+density rises (another order). Ranks without room for a doc are parked until a shorter
+doc fits them, which happens at most once per doc they receive. Whole docs: O((D + N)
+log N). A doc that must be split (at most about 2N of them: longer than T or heavier than
+R x mean) costs O(N log N) for its zigzag width (m = 2 .. ``LINEAR_WIDTHS`` one by one,
+then a geometric grid of ``WIDTH_GROWTH``, each checked in O(N)), so O(N^2 log N) over a
+request in the worst case, and O(N) to cut it. ``finish``: ``refine.exchange``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from planner_service.core.cost import alltoallv_receives, imbalance
+from planner_service.core.plan import Shard
+from planner_service.solvers.flashcp.nested import nested_zigzag
+from planner_service.solvers.flashcp.paper import split_spill
+from planner_service.solvers.flashcp.ranks import Ranks, new_shard, zigzag
+from planner_service.solvers.flashcp.refine import exchange
+
+REFRESH = 8
+"""Stale heap tops refreshed per doc before the top is taken (every rank at N <= 8)."""
+LINEAR_WIDTHS = 16
+"""Zigzag widths tried one by one; wider ones on a geometric grid."""
+WIDTH_GROWTH = 1.25
+"""Ratio of consecutive zigzag widths above ``LINEAR_WIDTHS``."""
+
+
+def widths(n: int) -> Iterator[int]:
+    """Zigzag widths tried for a doc that must be split: 2 .. LINEAR_WIDTHS, then a
+    geometric grid up to n (always ending at n); O(LINEAR_WIDTHS + log N) values."""
+    m = 2
+    while m < n:
+        yield m
+        m = m + 1 if m < LINEAR_WIDTHS else max(m + 1, int(m * WIDTH_GROWTH))
+    if n >= 2:
+        yield n
+
+
+def ends(ranks: Ranks, rank: int, share: float, load: float, density: float) -> float:
+    """A rank's expected final workload after taking a share (tokens, load) of a doc and
+    then filling its remaining room at ``density`` (work per token)."""
+    room = max(0.0, ranks.capacity - ranks.tokens[rank] - share)
+    return ranks.work[rank] + load + room * density
+
+
+def place(
+    doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, fill_aware: bool,
+    total_work: int, nested: bool = False,
+) -> tuple[Ranks, list[tuple[int, int]]]:
+    """The layout so far and the docs left to split for tokens (module docstring;
+    ``total_work``: the docs' total workload)."""
+    rest_tokens = sum(doc_lengths)
+    rest_work = total_work
+    cap = -(-rest_tokens // n)
+    ranks = Ranks(n, cap)
+    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    spill: list[tuple[int, int]] = []
+    version = [0] * n  # an entry (key, rank, version) is stale once the rank changes
+    heap: list[tuple[float, int, int]] = [(0.0, r, 0) for r in range(n)]
+    parked: list[tuple[int, int, int]] = []  # (-room, rank, version): no room for the docs so far
+    lightest: list[tuple[int, int]] = [(0, r) for r in range(n)]  # (work, rank), lazily current
+    density = float("inf")
+    need = [0] * n  # KV each rank needs so far (cost.alltoallv_receives, kept up to date)
+
+    def rebuild() -> None:
+        heap[:] = [(work[r] - tokens[r] * density, r, version[r]) for r in range(n)]
+        heapq.heapify(heap)
+        parked.clear()
+
+    def changed(rank: int) -> None:
+        version[rank] += 1
+        heapq.heappush(heap, (work[rank] - tokens[rank] * density, rank, version[rank]))
+        heapq.heappush(lightest, (work[rank], rank))
+
+    for doc in order:
+        length = doc_lengths[doc]
+        doc_work = length * (length + 1) // 2
+        rest_tokens -= length
+        rest_work -= doc_work
+        previous, density = density, rest_work / rest_tokens if rest_tokens else 0.0
+        if density > previous:
+            rebuild()  # stored keys are lower bounds only while the density falls
+        while parked and -parked[0][0] >= length:
+            _, r, v = heapq.heappop(parked)
+            if v == version[r]:
+                heapq.heappush(heap, (work[r] - tokens[r] * density, r, v))
+        most = cap - length  # tokens a rank may hold to have room for the doc
+        best, refreshed = -1, 0
+        while heap:
+            key, r, v = heap[0]
+            if v != version[r]:
+                heapq.heappop(heap)
+            elif tokens[r] > most:
+                heapq.heappop(heap)
+                heapq.heappush(parked, (tokens[r] - cap, r, v))
+            else:
+                current = work[r] - tokens[r] * density
+                if current != key and refreshed < REFRESH:
+                    heapq.heapreplace(heap, (current, r, v))
+                    refreshed += 1
+                    continue
+                best = r
+                break
+        if best >= 0 and work[best] + doc_work <= allowed:
+            # ranks.add(best, doc, 0, length) inlined: most docs take this path.
+            shards[best].append(new_shard(Shard, (doc, 0, length)))
+            tokens[best] += length
+            work[best] += doc_work
+            version[best] += 1
+            heapq.heapreplace(heap, (work[best] - tokens[best] * density, best, version[best]))
+            heapq.heappush(lightest, (work[best], best))
+            continue
+        while lightest[0][0] != work[lightest[0][1]]:
+            heapq.heappop(lightest)
+        if lightest[0][0] + doc_work <= allowed or length < 2:
+            spill.append((doc, length))  # light enough (or one token) but no room: split for tokens
+            continue
+        if nested and nested_zigzag(ranks, doc, length, allowed, density):
+            need[:] = alltoallv_receives(shards)
+            for r in range(n):
+                version[r] += 1
+                heapq.heappush(lightest, (work[r], r))
+            rebuild()
+            continue
+        chosen = _zigzag_ranks(ranks, length, doc_work, allowed, density if fill_aware else 0.0,
+                               density)
+        if chosen is None:
+            spill.append((doc, length))  # no m ranks have room for shares: split for tokens
+            continue
+        # The outer chunk pair (most KV: the prefix up to the top) to the rank needing least.
+        chosen.sort(key=need.__getitem__)
+        before = [tokens[r] for r in chosen]
+        zigzag(ranks, chosen, doc, length)
+        for r, held in zip(chosen, before, strict=True):
+            if tokens[r] > held:  # the prefix up to its top chunk, less its own tokens
+                need[r] += shards[r][-1][2] - (tokens[r] - held)
+            changed(r)
+    return ranks, spill
+
+
+def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill: float,
+                  density: float) -> list[int] | None:
+    """The fewest most lagging ranks with room for equal shares of the doc whose expected
+    final workloads (``ends``, filled at ``fill``) stay within ``allowed`` (the widest
+    width tried, min(N, length), is taken regardless); None if no width has enough ranks
+    with room.
+
+    O(N log N) in numpy for the lag order, then O(N) per width tried; widths too narrow
+    for any rank's room, or too narrow for even the lightest rank to stay within
+    ``allowed``, are skipped (they cannot succeed)."""
+    n = len(ranks.work)
+    work = np.array(ranks.work, dtype=np.float64)
+    tokens = np.array(ranks.tokens, dtype=np.float64)
+    room = ranks.capacity - tokens
+    # Lag order: ascending work - tokens x density, ties by rank (a stable sort).
+    by_lag = np.argsort(work - tokens * density, kind="stable")
+    room_by_lag = room[by_lag]
+    most_room, lightest = float(room.max()), float(work.min())
+    narrowest = 2
+    if most_room > 0:
+        narrowest = max(narrowest, -(-length // int(most_room)))
+    if allowed > lightest:
+        narrowest = max(narrowest, int(doc_work / (allowed - lightest)))
+    widest = min(n, max(2, length))  # more ranks than tokens would hold nothing
+    for m in widths(widest):
+        if m < narrowest and m < widest:
+            continue
+        share = -(-length // m)
+        fit = np.flatnonzero(room_by_lag >= share)[:m]
+        if len(fit) < m:
+            continue
+        chosen = by_lag[fit]
+        if m == widest:
+            return chosen.tolist()
+        after = np.maximum(0.0, room[chosen] - length / m)
+        if float((work[chosen] + doc_work / m + after * fill).max()) <= allowed:
+            return chosen.tolist()
+    return None
+
+
+def finish(ranks: Ranks, spill: Sequence[tuple[int, int]], allowed: float, tail_largest: bool) -> None:
+    """The rest of the pass: split the spill for tokens, then rebalance if R is missed."""
+    split_spill(ranks, spill, tail_largest=tail_largest)
+    if imbalance(ranks.work) > allowed * len(ranks.work) / sum(ranks.work):
+        exchange(ranks, allowed)

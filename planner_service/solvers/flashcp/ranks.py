@@ -1,0 +1,67 @@
+"""The layout under construction: per-rank shards, token counts and workloads.
+
+Every operation here is O(1) per shard added (``Ranks.add``), O(N + shards) to copy, and
+O(L / m + m) for an equal zigzag of one doc over m ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner_service.core.plan import Shard
+
+new_shard = tuple.__new__
+"""``new_shard(Shard, (doc, start, end))``: a Shard without NamedTuple's Python-level
+``__new__`` (hot paths)."""
+
+
+class Ranks:
+    """Mutable per-rank state of a layout under construction (plain lists: per-doc numpy
+    calls would cost more than they save)."""
+
+    def __init__(self, n: int, capacity: int) -> None:
+        self.shards: list[list[Shard]] = [[] for _ in range(n)]
+        self.tokens = [0] * n
+        self.work = [0] * n
+        self.capacity = capacity
+
+    def copy(self) -> Ranks:
+        other = Ranks(0, self.capacity)
+        other.shards = [list(r) for r in self.shards]
+        other.tokens = list(self.tokens)
+        other.work = list(self.work)
+        return other
+
+    def add(self, rank: int, doc: int, start: int, end: int) -> None:
+        self.shards[rank].append(new_shard(Shard, (doc, start, end)))
+        self.tokens[rank] += end - start
+        # cost.shard_workload inlined (hot path): (2p + s + 1) s / 2 = (p + e + 1)(e - p) / 2.
+        self.work[rank] += (start + end + 1) * (end - start) // 2
+
+
+def zigzag(ranks: Ranks, chosen: Sequence[int], doc: int, length: int) -> None:
+    """Cut a doc into 2m chunks over the m ``chosen`` ranks, chunk i and 2m-1-i on the
+    i-th (Per-Doc sharding over a subset): near-equal workloads, two shards per rank."""
+    m = len(chosen)
+    base, extra = divmod(length, 2 * m)
+    sizes = [base] * (2 * m)
+    # The remainder goes one token per rank (low chunks first, then high chunks), so no
+    # rank holds more than ceil(L / m) tokens of the doc.
+    for k in range(extra):
+        sizes[k if k < m else 2 * m - 1 - (k - m)] += 1
+    starts = [0] * (2 * m + 1)
+    for chunk, size in enumerate(sizes):
+        starts[chunk + 1] = starts[chunk] + size
+    for i, rank in enumerate(chosen):
+        for chunk in (i, 2 * m - 1 - i):
+            if sizes[chunk]:
+                ranks.add(rank, doc, starts[chunk], starts[chunk + 1])
+
+
+def zigzagged(ranks: Ranks) -> list[int]:
+    """Docs held as two or more shards on one rank (zigzag), ascending."""
+    seen: dict[tuple[int, int], int] = {}
+    for rank, shards in enumerate(ranks.shards):
+        for s in shards:
+            seen[s.doc, rank] = seen.get((s.doc, rank), 0) + 1
+    return sorted({doc for (doc, _), count in seen.items() if count > 1})

@@ -1,0 +1,245 @@
+"""FlashCP heuristic sharding (FlashCP, arXiv:2606.08476), with comm-aware balanced passes
+and token-neutral refinement that bring it close to the exact ILP's comm saving, and an
+objective that follows the request's exchange. Entry points: ``flashcp_shards`` and the
+strategy's ``flashcp_layout``.
+
+Every rank ends with at most T = ceil(S / N) tokens (exactly T but for the last ranks'
+shortfall, which is explicit padding) and workload at most R x mean where it can.
+
+1. Balanced passes (``place.place`` then ``place.finish``), each placing the docs in a
+   given order (``place.py``): whole docs to the most lagging rank; docs no rank can take
+   within R zigzagged over the fewest lagging ranks (or cut into nested pairs,
+   ``nested.py``); docs that fit no rank's room split over the free room at the end; if
+   R is missed, ``refine.exchange`` rebalances without changing any token count.
+
+   The passes (``passes``): docs longest first, finished with the spill for balance and,
+   on small requests, also with the spill for less KV; and, when some docs must be split
+   and others are heavy but fit whole, the heavy docs first, so the must-split docs are
+   cut into the room left rather than splitting a heavy doc too; and, on small requests
+   with a doc that must be split, the nested pass (fill-aware, spill for less KV).
+
+2. The layout that meets R with the least critical-path volume of the request's exchange
+   wins (``objective``):
+
+   - ``alltoallv``: the most KV any rank receives. ``refine.descend`` first trades
+     positions of shared docs to lower it, within R (on requests with many docs, within
+     part of R's slack: ``DESCENT_SLACK``), on the ``DESCENDED`` layout that receives
+     least before it.
+   - ``compact_allgather``: the largest buffer any rank contributes (every rank receives
+     N - 1 of them, padded). Algorithm 1's layout (``paper.algorithm1``) is a candidate
+     too, so flashcp never sends more than the published algorithm at the same R, and so
+     is the descended layout.
+   - ``full`` and ``p2p_ring``: every layout moves (N - 1) x T tokens; the most balanced
+     layout wins (ties: the all-to-all-v receive).
+
+3. If no pass meets R, Algorithm 1 (``paper.py``); the most balanced layout found (pass or
+   Algorithm 1) is returned.
+
+Complexity, D docs on N ranks: each pass O((D + N) log N) plus O(N log N) per doc that
+must be split (``place.py``); the extra passes, the descent and the nested pass run only
+on requests of at most ``SEARCH_BUDGET``, ``SPILL_BUDGET`` and ``NESTED_BUDGET`` docs x
+ranks; measuring a layout is O(s) for its s shards; Algorithm 1 runs K + 1 rounds with
+K (D + N K) within ``PAPER_WORK`` (``paper_rounds``; at least one round), each
+O((D + N) log N + N K).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from planner_service.core.build import GroupLayout, Layout
+from planner_service.core.cost import alltoallv_receives, comm_volumes, doc_workload, imbalance
+from planner_service.core.plan import Shard
+from planner_service.core.request import PlanRequest
+from planner_service.solvers.flashcp.paper import MAX_PER_DOC, algorithm1
+from planner_service.solvers.flashcp.place import finish, place
+from planner_service.solvers.flashcp.ranks import Ranks, zigzagged
+from planner_service.solvers.flashcp.refine import descend
+
+
+class Pass(NamedTuple):
+    """One run of the balanced pass's placement loop and the layouts finished from it."""
+
+    order: list[int]
+    """Docs in the order they are placed."""
+    fill_aware: bool
+    """Zigzag width counts the ranks' later fill (wider, more balanced)."""
+    spills: tuple[bool, ...]
+    """One finished layout per entry: spill splits put the largest piece last (True: less
+    KV) or balance workload (False)."""
+    descend: bool = True
+    """Run ``refine.descend`` on the finished layouts (else only measure them)."""
+    nested: bool = False
+    """Cut the docs no rank can hold whole by ``nested.nested_zigzag`` (equal zigzag if
+    it finds no cut)."""
+
+
+DESCENT_STEPS = 8
+"""``refine.descend`` moves per candidate layout."""
+DESCENDED = 1
+"""Layouts descended per request: the one receiving least before descent."""
+SEARCH_BUDGET = 256
+"""Docs x ranks up to which the heavy-first pass and ``refine.descend`` run (their cost
+grows with both; larger requests, with many short docs, gain least from them)."""
+DESCENT_SLACK = 0.6
+"""Share of R's slack (R x mean - mean) the descent may fill on requests above
+``FULL_SLACK_BUDGET`` docs x ranks: there, many docs give it many small trades of balance
+for KV."""
+FULL_SLACK_BUDGET = 64
+"""Docs x ranks up to which the descent may fill all of R's slack (few docs: the KV is in
+the docs that must be split, and the slack buys most there)."""
+SPILL_BUDGET = 48
+"""Docs x ranks up to which the longest-first layout is also finished with the spill for
+less KV."""
+NESTED_BUDGET = 64
+"""Docs x ranks up to which the nested pass runs when some doc must be split."""
+HEAVY = 0.25
+"""A doc that fits a rank whole and weighs more than HEAVY x the allowed max workload is
+placed before the docs that must be split in the heavy-first order."""
+PAPER_WORK = 1 << 15
+"""Work Algorithm 1 may spend inside flashcp: round k places D docs and copies the 2N k
+shards of its k Per-Doc docs, so K rounds cost about K (D + N K); K is the largest within
+PAPER_WORK (at least one round)."""
+
+COMM_MODES = ("alltoallv", "compact_allgather", "full", "p2p_ring")
+
+
+def passes(doc_lengths: Sequence[int], order: list[int], n: int, allowed: float) -> tuple[list[Pass], list[Pass]]:
+    """(the balanced passes always run, those run only if no layout of the first meets R).
+
+    The longest-first order's layout is finished both ways (spill for balance, spill for
+    less KV) on small requests (docs x ranks within ``SPILL_BUDGET``), where the second
+    gains most; large ones finish it for balance only. The heavy-first pass runs within
+    ``SEARCH_BUDGET``; the nested pass (longest first, must-split docs by
+    ``nested.nested_zigzag``) within ``NESTED_BUDGET`` when some doc must be split.
+
+    The heavy-first order places the heavy docs that fit a rank whole before the docs no
+    rank can hold (longer than the rank's T tokens or heavier than ``allowed``), so those
+    are cut into the room the heavy docs leave instead of taking the room a heavy doc needs
+    whole. It exists only when both kinds of doc do. Both kinds are runs of the
+    longest-first ``order`` (the must-split docs first, then the heavy ones), so the
+    heavy-first order swaps the two runs. O(D).
+    """
+    cap = -(-sum(doc_lengths) // n)
+    first = [Pass(order, False, (False, True) if len(order) * n <= SPILL_BUDGET else (False,))]
+    must = heavy = 0  # ends of the two runs in ``order``
+    for doc in order:
+        length = doc_lengths[doc]
+        if length > cap or doc_workload(length) > allowed:
+            must = heavy = must + 1
+        elif doc_workload(length) > HEAVY * allowed:
+            heavy += 1
+        else:
+            break
+    if must and len(order) * n <= NESTED_BUDGET:
+        first.append(Pass(order, True, (True,), nested=True))
+    if 0 < must < heavy and len(order) * n <= SEARCH_BUDGET:
+        # Not descended: it shares little beyond the zigzagged must-split docs.
+        first.append(Pass(order[must:heavy] + order[:must] + order[heavy:], True, (True,), False))
+    return first, [Pass(order, True, (False, True))]
+
+
+def objective(comm_mode: str) -> Callable[[Ranks], tuple[int, ...]]:
+    """The critical-path figure a layout is chosen by under ``comm_mode`` (lower wins);
+    O(s) for s shards."""
+    if comm_mode == "alltoallv":
+        return lambda ranks: (max(alltoallv_receives(ranks.shards)),)
+    if comm_mode == "compact_allgather":
+        def allgather(ranks: Ranks) -> tuple[int, ...]:
+            volumes = comm_volumes(ranks.shards)
+            return max(volumes.allgather_send), max(volumes.alltoallv_recv)
+        return allgather
+    if comm_mode in ("full", "p2p_ring"):
+        return lambda ranks: (max(ranks.work), max(alltoallv_receives(ranks.shards)))
+    raise ValueError(f"comm_mode must be one of {', '.join(COMM_MODES)}, got {comm_mode!r}")
+
+
+def paper_rounds(num_docs: int, n: int) -> int:
+    """Per-Doc docs Algorithm 1 may try inside flashcp: k = 0 .. K with K + 1 rounds of
+    about D + N K work each within ``PAPER_WORK`` (at most ``MAX_PER_DOC``)."""
+    k = 0
+    while k < MAX_PER_DOC and (k + 2) * (num_docs + n * (k + 1)) <= PAPER_WORK:
+        k += 1
+    return k
+
+
+def flashcp_shards(
+    doc_lengths: Sequence[int], num_ranks: int, target: float, *, comm_mode: str = "alltoallv",
+) -> tuple[list[list[Shard]], list[int]]:
+    """Per-rank shards and the docs held as zigzag pairs (module docstring)."""
+    n = num_ranks
+    cost = objective(comm_mode)
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    total_work = sum(length * (length + 1) for length in doc_lengths) // 2  # sum of doc_workload
+    allowed = target * total_work / n
+    fallback: tuple[float, Ranks] | None = None
+    steps = DESCENT_STEPS if len(order) * n <= SEARCH_BUDGET and comm_mode not in (
+        "full", "p2p_ring") else 0
+    if n > 1:
+        for batch in passes(doc_lengths, order, n, allowed):
+            found: list[tuple[int, int, Ranks, bool]] = []  # (receive, index, layout, descend)
+            for spec in batch:
+                placed, spill = place(doc_lengths, spec.order, n, allowed, spec.fill_aware,
+                                      total_work, spec.nested)
+                # Without docs to spill, the spill orders give the same layout: finish one.
+                spills = spec.spills if spill else spec.spills[:1]
+                for i, tail_largest in enumerate(spills):
+                    ranks = placed.copy() if i + 1 < len(spills) else placed
+                    finish(ranks, spill, allowed, tail_largest)
+                    imb = imbalance(ranks.work)
+                    if imb <= target:
+                        found.append((max(alltoallv_receives(ranks.shards)), len(found), ranks,
+                                      spec.descend and steps > 0))
+                    elif fallback is None or imb < fallback[0]:
+                        fallback = (imb, ranks)
+            if found:
+                return _choose(found, doc_lengths, n, target, total_work, allowed, steps,
+                               comm_mode, cost)
+    imb, ranks, _ = algorithm1(doc_lengths, n, target,
+                               max_per_doc=paper_rounds(len(doc_lengths), n))
+    if fallback is not None and fallback[0] < imb:
+        return fallback[1].shards, zigzagged(fallback[1])
+    return ranks.shards, zigzagged(ranks)
+
+
+def _choose(
+    found: list[tuple[int, int, Ranks, bool]], doc_lengths: Sequence[int], n: int, target: float,
+    total_work: int, allowed: float, steps: int, comm_mode: str,
+    cost: Callable[[Ranks], tuple[int, ...]],
+) -> tuple[list[list[Shard]], list[int]]:
+    """The layout meeting R with the least ``cost`` (module docstring, step 2): the
+    descended layouts count, and under compact all-gather Algorithm 1's layout too."""
+    # Descend the DESCENDED layouts that receive least before it; the first found wins ties.
+    found.sort(key=lambda c: c[:2])
+    mean = total_work / n
+    slack = 1.0 if len(doc_lengths) * n <= FULL_SLACK_BUDGET else DESCENT_SLACK
+    pool: list[tuple[Ranks, tuple[int, int]]] = []  # (layout, tie-break)
+    descended = 0
+    for _, index, ranks, descend_it in found:
+        if descend_it and descended < DESCENDED:
+            if comm_mode == "compact_allgather":
+                pool.append((ranks.copy(), (index, 1)))  # the descent may add buffer tokens
+            descend(ranks, mean + slack * (allowed - mean), steps)
+            descended += 1
+        pool.append((ranks, (index, 0)))
+    if comm_mode == "compact_allgather":
+        imb, paper, _ = algorithm1(doc_lengths, n, target,
+                                   max_per_doc=paper_rounds(len(doc_lengths), n))
+        if imb <= target:
+            pool.append((paper, (len(found), 0)))
+    best = min(pool, key=lambda c: (cost(c[0]), c[1]))[0]
+    return best.shards, zigzagged(best)
+
+
+def flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+    """Strategy ``flashcp``: the request's R and exchange (``comm_mode``, default
+    all-to-all-v)."""
+    mode = request.comm_mode or "alltoallv"
+    shards, per_doc = flashcp_shards(doc_lengths, request.cp_size, request.imbalance_target,
+                                     comm_mode=mode)
+    return Layout(
+        groups=[GroupLayout(tuple(range(request.cp_size)), shards)],
+        info={"per_doc_docs": per_doc, "imbalance_target": request.imbalance_target,
+              "objective": mode},
+    )
