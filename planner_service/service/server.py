@@ -1,8 +1,9 @@
 """``planner serve``: HTTP (uvicorn) and gRPC in one process and one event loop.
 
 SIGTERM/SIGINT: readiness turns false (``/readyz`` 503, gRPC health NOT_SERVING), both
-servers stop accepting and give in-flight requests PLANNER_SHUTDOWN_GRACE_S to finish,
-the solver pool drains, and the process exits 0.
+servers stop accepting and in-flight requests and the solver pool share one deadline,
+PLANNER_SHUTDOWN_GRACE_S after the signal; solver processes still busy then are killed, so
+the process exits 0 within the grace plus about a second whatever its solvers do.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from planner_service.service.ops import PlannerService
 from planner_service.service.settings import Settings
 
 log = logging.getLogger("planner_service.service")
+HEALTH_POLL_S = 0.5
+"""How often gRPC health follows readiness (e.g. every solver stuck past a deadline)."""
 
 
 class _Uvicorn(uvicorn.Server):
@@ -59,6 +62,7 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     http_task = asyncio.create_task(http.serve())
+    health: asyncio.Task[None] | None = None
     try:
         while not http.started:
             if http_task.done():  # e.g. the port is taken
@@ -79,8 +83,11 @@ async def serve(settings: Settings) -> int:
         # One parseable line: tests and `make run` read the ports from it.
         print(f"planner serving: {url} (web page; API docs at {url}docs), {grpc_text}",
               flush=True)
+        if grpc_server is not None:
+            health = asyncio.create_task(_follow_readiness(service, grpc_server, stop))
         await stop.wait()
     finally:
+        deadline = loop.time() + settings.shutdown_grace_s
         log.info("shutting down: readiness false, draining in-flight requests")
         service.ready = False
         http.should_exit = True
@@ -88,9 +95,26 @@ async def serve(settings: Settings) -> int:
         if grpc_server is not None:
             stops.append(asyncio.ensure_future(grpc_server.stop(settings.shutdown_grace_s)))
         await asyncio.gather(*stops, return_exceptions=True)
-        await service.close()
+        await service.close(deadline)
+    if health is not None:
+        await health
     log.info("stopped")
     return 0
+
+
+async def _follow_readiness(service: PlannerService, grpc_server: GrpcServer,
+                            stop: asyncio.Event) -> None:
+    """Keep gRPC health in step with readiness until shutdown starts."""
+    serving = True
+    while not stop.is_set():
+        now = service.is_ready
+        if now != serving:
+            serving = now
+            await grpc_server.set_serving(now)
+        try:
+            await asyncio.wait_for(stop.wait(), HEALTH_POLL_S)
+        except TimeoutError:
+            pass
 
 
 async def _warm_up(settings: Settings, http_port: int, grpc_port: int | None) -> None:
