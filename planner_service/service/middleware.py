@@ -106,13 +106,13 @@ class AuthAndLimits:
         if scope["method"] not in BODY_METHODS:
             await self.app(scope, receive, send)
             return
-        if not is_json(headers.get(b"content-type")):
-            await _reply(send, 415, "request bodies must be Content-Type: application/json",
-                         "content-type")
-            return
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
             await self._too_large(send)
+            return
+        if not is_json(headers.get(b"content-type")):
+            await _reply(send, 415, "request bodies must be Content-Type: application/json",
+                         "content-type")
             return
         # Read the body here, bounded in size and time, so chunked uploads cannot exceed
         # the limit either and a trickling client cannot hold the connection.
