@@ -272,6 +272,7 @@ def test_a_100_mb_body_is_refused_without_reading_it(server, baseline):
     with _connect(server) as sock:
         start = time.monotonic()
         sock.sendall(b"PUT /v1/jobs/j/batches/big HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
         chunk = b"%x\r\n" % 2**20 + b"1," * 2**19 + b"\r\n"
         sent = 0

@@ -220,6 +220,7 @@ class PlannerServicer:
                 if isinstance(item, Malformed):
                     await pending.put(("malformed", item, None))
                     return
+                got: tuple[Any, Any, Exception | None]
                 try:
                     entry, _ = self.svc.submit(item.job, item.batch, self._body(item.request),
                                                client=client)

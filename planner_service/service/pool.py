@@ -204,7 +204,7 @@ class WorkerPool:
         if task.timer is not None:
             task.timer.cancel()
         worker = task.worker
-        if worker is not None and worker.task is task:
+        if worker is not None and worker.task is task and not self._closing:
             self._kill(worker, "its solve passed its deadline" if not future.cancelled()
                        else "every caller of its solve went away")
 
@@ -224,7 +224,7 @@ class WorkerPool:
         self._loop.call_later(KILL_CHECK_S, self._reap, worker)
 
     def _reap(self, worker: _Worker) -> None:
-        if worker.gone:
+        if worker.gone or self._closing:
             return
         if worker.process.is_alive():
             assert self._loop is not None
@@ -336,6 +336,7 @@ class WorkerPool:
                 except OSError:
                     pass
             else:
+                worker.killed = True
                 worker.process.kill()
         # Idle workers exit on the None message at once; give them a moment, together.
         stop_by = self._loop.time() + 0.5

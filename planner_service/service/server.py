@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import uvicorn
 
@@ -24,6 +26,8 @@ from planner_service.service.ops import PlannerService
 from planner_service.service.settings import Settings
 
 log = logging.getLogger("planner_service.service")
+BACKSTOP_S = 0.5
+"""The HTTP and gRPC servers cancel what is left this long after the shared deadline."""
 HEALTH_POLL_S = 0.5
 """How often gRPC health follows readiness (e.g. every solver stuck past a deadline)."""
 
@@ -53,7 +57,7 @@ async def serve(settings: Settings) -> int:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level,
         access_log=False, lifespan="on",
-        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+        timeout_graceful_shutdown=settings.shutdown_grace_s + BACKSTOP_S,  # type: ignore[arg-type]
         server_header=False, http=protocol_with_header_timeout(settings.header_timeout_s))
     http = _Uvicorn(config)
     grpc_server: GrpcServer | None = None
@@ -91,11 +95,14 @@ async def serve(settings: Settings) -> int:
         log.info("shutting down: readiness false, draining in-flight requests")
         service.ready = False
         http.should_exit = True
-        stops = [http_task]
+        # The solver pool drains to the shared deadline and then kills busy solvers, which
+        # fails their requests (503 / UNAVAILABLE): both servers then finish before their
+        # own, slightly later, backstops cancel anything.
+        stops = [http_task, asyncio.ensure_future(service.close(deadline))]
         if grpc_server is not None:
-            stops.append(asyncio.ensure_future(grpc_server.stop(settings.shutdown_grace_s)))
+            stops.append(asyncio.ensure_future(grpc_server.stop(
+                settings.shutdown_grace_s + BACKSTOP_S)))
         await asyncio.gather(*stops, return_exceptions=True)
-        await service.close(deadline)
     if health is not None:
         await health
     log.info("stopped")
@@ -148,9 +155,19 @@ async def _warm_up(settings: Settings, http_port: int, grpc_port: int | None) ->
         log.warning("warm-up request failed: %s", exc)
 
 
-def run(settings: Settings) -> int:
-    """Blocking entry point of ``planner serve``."""
+def run(settings: Settings) -> NoReturn:
+    """Blocking entry point of ``planner serve``; ends the process with the exit code.
+
+    After a graceful stop nothing is left to clean up (sockets closed, solver processes
+    gone, logs flushed), so the process ends at once: interpreter finalisation of the
+    server's heap (numpy, OR-Tools, grpc) takes seconds of CPU on a busy machine, which
+    would overrun the stop budget (PLANNER_SHUTDOWN_GRACE_S + 2 s) after the work is done.
+    """
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the warm-up's own requests
-    return asyncio.run(serve(settings))
+    code = asyncio.run(serve(settings))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
