@@ -26,6 +26,9 @@ from planner_service.service.ops import PlannerService
 from planner_service.service.settings import Settings
 
 log = logging.getLogger("planner_service.service")
+STOP_SLACK_S = 2.0
+"""The contract: the process exits within PLANNER_SHUTDOWN_GRACE_S + this of SIGTERM
+(deploy manifests give the pod more; tests/test_deploy_manifests.py checks it)."""
 BACKSTOP_S = 0.5
 """The HTTP and gRPC servers cancel what is left this long after the shared deadline."""
 HEALTH_POLL_S = 0.5
