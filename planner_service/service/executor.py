@@ -28,7 +28,7 @@ from planner_service.core.request import PlanRequest, debug_request
 from planner_service.core.validate import PlanError
 from planner_service.service import test_hooks
 from planner_service.service.metrics import ServiceMetrics
-from planner_service.service.pool import TaskExpired, WorkerPool
+from planner_service.service.pool import TaskExpired, WorkerDied, WorkerPool
 from planner_service.service.schemas import FieldError, field_of
 from planner_service.service.settings import Settings
 from planner_service.solvers.registry import timed_solve
@@ -158,14 +158,16 @@ class Executor:
     async def close(self, deadline: float | None = None) -> None:
         """Wait for running solves until loop time ``deadline`` (default: now plus
         PLANNER_SHUTDOWN_GRACE_S), then stop the workers, killing busy ones."""
-        pool, self._pool = self._pool, None
+        pool = self._pool
         loop = asyncio.get_running_loop()
         if deadline is None:
             deadline = loop.time() + self.settings.shutdown_grace_s
         if isinstance(pool, WorkerPool):
-            await pool.close(deadline)
+            await pool.close(deadline)  # admission stays open while it drains
         elif pool is not None:
+            self._pool = None
             await loop.run_in_executor(None, pool.shutdown, True)
+        self._pool = None
 
     @property
     def depth(self) -> int:
@@ -196,6 +198,8 @@ class Executor:
     def _admit(self) -> None:
         if self._pool is None:
             raise Overloaded("the solver pool is not running (starting or shutting down)", 1)
+        if isinstance(self._pool, WorkerPool) and self._pool.closing:
+            raise WorkerDied("the service is stopping")
         if self._depth >= self.capacity:
             self.metrics.rejected.labels("queue_full").inc()
             per_worker = self._depth / max(1, self.workers)

@@ -33,6 +33,10 @@ log = logging.getLogger("planner_service.service")
 
 KILL_CHECK_S = 0.05
 """How often a killed worker is checked for having exited (its pipe EOF may lag)."""
+PRELOAD = ("planner_service.service.executor", "planner_service.solvers.ilp",
+           "planner_service.solvers.fcp_strategy", "planner_service.solvers.auto")
+"""Imported once by the forkserver, so a solver process that replaces a killed one starts
+warm (milliseconds, not the seconds of importing pydantic and OR-Tools afresh)."""
 STUCK_AFTER_S = 1.0
 """A worker still busy this long after its task's deadline counts as stuck (readiness)."""
 
@@ -51,7 +55,7 @@ def pool_context() -> Any:
     method = "forkserver" if sys.platform.startswith("linux") else "spawn"
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["planner_service.solvers.registry"])
+        ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
@@ -311,6 +315,11 @@ class WorkerPool:
     def healthy(self) -> bool:
         """At least one worker can take a task within its deadline."""
         return len(self._workers) - self.stuck() > 0
+
+    @property
+    def closing(self) -> bool:
+        """True once close() stopped taking tasks."""
+        return self._closing
 
     @property
     def busy(self) -> bool:
