@@ -112,6 +112,14 @@ def test_json_depth_counts_only_structure_outside_strings(text, ok):
             check_json_depth(text, 3)
 
 
+def test_grpc_peers_name_clients_like_http_does():
+    from planner_service.service.grpc_server import peer_address
+
+    assert peer_address("ipv4:10.0.0.5:4242") == "10.0.0.5"
+    assert peer_address("ipv6:[::1]:4242") == "::1"
+    assert peer_address("unix:/tmp/s") == "unix:/tmp/s"
+
+
 def test_bearer_scheme_is_case_insensitive_and_json_types_are_recognised():
     assert bearer_token(b"bearer abc") == bearer_token(b"BEARER abc") == b"abc"
     assert bearer_token(b"Basic abc") is None and bearer_token(b"Bearer") is None

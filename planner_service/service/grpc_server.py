@@ -72,10 +72,19 @@ def lenient(message_class: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+def peer_address(peer: str) -> str:
+    """A gRPC peer as the HTTP edge names the same client: its address without scheme and
+    port ('ipv4:10.0.0.5:4242' -> '10.0.0.5', 'ipv6:[::1]:4242' -> '::1')."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return peer
+
+
 def peer_host(context: grpc.aio.ServicerContext) -> str:
-    """The client's address without its port ('ipv4:10.0.0.5:4242' -> 'ipv4:10.0.0.5')."""
-    peer = context.peer() or ""
-    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+    return peer_address(context.peer() or "")
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:

@@ -28,8 +28,9 @@ when it navigates; the page holds no data and asks for the token before calling 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 JSON_TYPE = b"application/json"
 CLIENT_CLOSED = 499
-CLOSED_KEY = "planner.client_closed"
 """The status recorded for a request whose client went away before the answer (nginx's)."""
+CLOSED_KEY = "planner.client_closed"
+"""Scope key the middleware sets when it cancelled a request for that reason."""
 
 
 def bearer_token(header: bytes) -> bytes | None:

@@ -1,7 +1,8 @@
 """Service settings from ``PLANNER_*`` environment variables (pydantic-settings).
 
 Built by :func:`load_settings`, never at import time, so tests and the CLI can override
-any field. Every name here is documented in the README (planner service, settings); deploy manifests use them.
+any field. Every name here is documented in the README (planner service, settings) or in
+docs/security.md (the limits); deploy manifests use them.
 """
 
 from __future__ import annotations
