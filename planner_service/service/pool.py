@@ -8,8 +8,9 @@ threads in the server process at all.
 
 Every task has a deadline (loop time). A task still waiting when its deadline passes is
 dropped; a task still running then, or one whose future is cancelled (every caller went
-away), has its worker process killed and replaced: a solver cannot be interrupted safely
-from outside, but a process can, so no request holds a worker past its deadline.
+away), has its worker process killed and replaced unless it finishes within KILL_AFTER_S:
+a solver cannot be interrupted safely from outside, but a process can, so no request holds
+a worker more than a quarter second past its deadline.
 
 Workers come from a forkserver (spawn off Linux), never a fork of the threaded server.
 A worker that dies fails its task with :class:`WorkerDied` and is replaced.
@@ -31,6 +32,10 @@ from typing import Any
 
 log = logging.getLogger("planner_service.service")
 
+KILL_AFTER_S = 0.25
+"""A solve whose caller is answered (deadline) or gone gets this long to finish on its own
+before its process is killed: a solve that was nearly done costs no process restart, so
+requests with tiny deadlines cannot make the pool fork for each of them."""
 KILL_CHECK_S = 0.05
 """How often a killed worker is checked for having exited (its pipe EOF may lag)."""
 PRELOAD = ("planner_service.service.executor", "planner_service.solvers.ilp",
@@ -209,8 +214,14 @@ class WorkerPool:
             task.timer.cancel()
         worker = task.worker
         if worker is not None and worker.task is task and not self._closing:
-            self._kill(worker, "its solve passed its deadline" if not future.cancelled()
-                       else "every caller of its solve went away")
+            why = ("its solve passed its deadline" if not future.cancelled()
+                   else "every caller of its solve went away")
+            assert self._loop is not None
+            self._loop.call_later(KILL_AFTER_S, self._kill_if_busy_with, worker, task, why)
+
+    def _kill_if_busy_with(self, worker: _Worker, task: _Task, why: str) -> None:
+        if worker.task is task and not worker.gone and not self._closing:
+            self._kill(worker, why)
 
     def _kill(self, worker: _Worker, why: str) -> None:
         """Stop a busy worker now; it is replaced as soon as it has exited."""
