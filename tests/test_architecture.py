@@ -38,14 +38,6 @@ CONTRACT = frozenset({
 """What ``worker_runtime`` may import from ``planner_service``: the plan, the model shape
 it carries and the exchange volumes of its shards (``core.cost``)."""
 
-KNOWN_CYCLES = (
-    # Being removed on other branches (issue 27): delete each entry once its fix is merged;
-    # the test fails on an entry whose circle is gone, so the list cannot go stale.
-    frozenset({"planner_service.client.backends", "planner_service.client.grpc_backend",
-               "planner_service.client.local"}),
-)
-
-
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:
     return grimp.build_graph(*PACKAGES)
@@ -103,10 +95,7 @@ def test_the_circle_finder_finds_a_circle_and_nothing_else():
 
 def test_no_import_circles(graph):
     circles = import_circles(graph)
-    unknown = [sorted(c) for c in circles if c not in KNOWN_CYCLES]
-    assert not unknown, f"import circles: {unknown}"
-    gone = [sorted(c) for c in KNOWN_CYCLES if c not in circles]
-    assert not gone, f"these circles are fixed: remove them from KNOWN_CYCLES: {gone}"
+    assert not circles, f"import circles: {[sorted(c) for c in circles]}"
 
 
 def test_no_layer_imports_a_layer_above_it(graph):

@@ -29,6 +29,7 @@ HEADER_TIMEOUT_S = 2.0
 MAX_BODY = 4 * 2**20
 RSS_GROWTH_MIB = 64
 """Bound on the server's RSS growth over the whole suite (a 100 MB body never lands)."""
+JSON = {"Content-Type": "application/json"}
 GOOD = {"doc_lengths": [4099, 37, 1023, 8191, 1, 511, 2047, 3001], "cp_size": 4}
 
 
@@ -73,7 +74,7 @@ def server():
 def baseline(server):
     """The server's RSS after a few ordinary requests, and a check at the end of the module
     that it stayed bounded through every hostile request."""
-    with httpx.Client(base_url=server.http_url, timeout=10) as c:
+    with httpx.Client(base_url=server.http_url, timeout=10, headers=JSON) as c:
         for i in range(20):
             assert c.post("/v1/plan", json={**GOOD, "cp_size": 2 + i % 6}).status_code == 200
     before = rss_mib(server.proc.pid)
@@ -87,7 +88,7 @@ def baseline(server):
 
 @pytest.fixture
 def client(server, baseline):
-    with httpx.Client(base_url=server.http_url, timeout=10) as c:
+    with httpx.Client(base_url=server.http_url, timeout=10, headers=JSON) as c:
         yield c
 
 
@@ -271,6 +272,7 @@ def test_a_100_mb_body_is_refused_without_reading_it(server, baseline):
     with _connect(server) as sock:
         start = time.monotonic()
         sock.sendall(b"PUT /v1/jobs/j/batches/big HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
         chunk = b"%x\r\n" % 2**20 + b"1," * 2**19 + b"\r\n"
         sent = 0
@@ -287,7 +289,7 @@ def test_a_100_mb_body_is_refused_without_reading_it(server, baseline):
         assert time.monotonic() - start < ANSWER_S, sent
         assert status == 413 and sent < 32 * 2**20, (status, sent)
     # httpx, as a client library sends it.
-    with httpx.Client(base_url=server.http_url, timeout=10) as c:
+    with httpx.Client(base_url=server.http_url, timeout=10, headers=JSON) as c:
         start = time.monotonic()
         try:
             r = c.post("/v1/compare", content=b"[" + b"1," * (hundred_mb // 2) + b"1]")

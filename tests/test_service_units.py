@@ -61,9 +61,9 @@ def test_settings_default_to_localhost_and_reject_bad_values(monkeypatch):
 def slow_solve(delay_s: float):
     real = executor_mod.solve_in_worker
 
-    def solve(request):
+    def solve(request, *args):
         time.sleep(delay_s)
-        return real(request)
+        return real(request, *args)
     return solve
 
 
@@ -110,10 +110,10 @@ def test_executor_shares_one_solve_between_identical_requests(monkeypatch):
     calls = []
     real = executor_mod.solve_in_worker
 
-    def counting(request):
+    def counting(request, *args):
         calls.append(request)
         time.sleep(0.05)
-        return real(request)
+        return real(request, *args)
     monkeypatch.setattr(executor_mod, "solve_in_worker", counting)
 
     async def main():

@@ -12,67 +12,13 @@ import json
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import httpx
 
+from planner_service.client.base import Backend, Comparison, ServiceError, ServiceResult
+
 USER_AGENT = "cp-planner-client/1"
-
-
-class ServiceResult(NamedTuple):
-    plan_json: str
-    """Canonical JSON of the plan (Plan.to_json())."""
-    plan_id: str
-    solve_ms: float
-    cached: bool
-
-
-class Comparison(NamedTuple):
-    results: list[tuple[str, ServiceResult]]
-    """(strategy, result) in the order asked for."""
-    errors: dict[str, str]
-
-
-class ServiceError(ValueError):
-    """The service answered an error or could not be reached.
-
-    ``code`` is the HTTP status (as text), the gRPC status name, or ``unavailable`` when
-    no answer came; ``field`` names the offending request field for invalid input.
-    """
-
-    def __init__(self, code: str, message: str, *, field: str | None = None,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.field = field
-        self.retry_after_s = retry_after_s
-
-    @property
-    def invalid_input(self) -> bool:
-        return self.code in ("422", "INVALID_ARGUMENT")
-
-
-class Backend(Protocol):
-    """What PlanClient needs from a planner (all methods are blocking and thread-safe)."""
-
-    name: str
-
-    def warm(self) -> None: ...
-
-    def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
-             ) -> ServiceResult: ...
-
-    def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
-                timeout_s: float) -> Comparison: ...
-
-    def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
-               fallbacks: int = 0) -> None: ...
-
-    def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
-              ) -> ServiceResult | None: ...
-
-    def close(self) -> None: ...
 
 
 class HttpBackend:
@@ -216,7 +162,7 @@ class EmbeddedBackend:
 
     def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
              ) -> ServiceResult:
-        from planner_service.client.local import solve_dict
+        from planner_service.client.local import solve_dict  # heavy: solvers, on first use
 
         solved = solve_dict(request)
         return ServiceResult(solved.plan.to_json(), solved.plan.plan_id, solved.solve_ms, False)
@@ -255,6 +201,10 @@ class EmbeddedBackend:
     def close(self) -> None:
         with self._lock:
             self._jobs.clear()
+
+
+__all__ = ["Backend", "Comparison", "EmbeddedBackend", "HttpBackend", "ServiceError",
+           "ServiceResult", "make_backend"]
 
 
 def make_backend(url: str, *, token: str | None = None) -> Backend:

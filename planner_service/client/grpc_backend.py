@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from planner_service.client.backends import Comparison, ServiceError, ServiceResult
+from planner_service.client.base import Comparison, ServiceError, ServiceResult
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
 

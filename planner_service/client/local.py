@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner_service.client.backends import ServiceError
+from planner_service.client.base import ServiceError
 from planner_service.solvers.registry import Solved, timed_solve
 
 FAST_STRATEGIES = frozenset({"flashcp", "llama3", "per_doc", "ring", "zigzag"})
-"""Heuristics that plan a 128K sequence in milliseconds: safe to run as a fallback."""
+"""Heuristics that plan a small request in milliseconds: fallbacks on small inputs."""
+BOUNDED_STRATEGIES = frozenset({"llama3", "ring"})
+"""Strategies whose cost is linear in documents + ranks by construction (fixed chunks):
+a fallback on any input."""
+BOUNDED_FALLBACK = "llama3"
+"""The fallback for an input too large for a heuristic (llama3 balances causal work)."""
+SMALL_TOKEN_RANKS = 2**21
+"""A heuristic fallback runs only if tokens x ranks is at most this (128K tokens on 16
+ranks) ..."""
+SMALL_DOC_RANKS = 2**16
+"""... and documents x ranks at most this; larger inputs get BOUNDED_FALLBACK."""
 
 
 def solve_dict(request: dict[str, Any]) -> Solved:
@@ -26,9 +36,37 @@ def solve_dict(request: dict[str, Any]) -> Solved:
         raise ServiceError("422", str(exc), field=exc.field) from None
 
 
+def prepare() -> None:
+    """Import what a local plan needs and make one bounded plan, so that the plan
+    ``get`` may have to make at its deadline costs only its own (linear) time."""
+    solve_dict(bounded_request({"doc_lengths": [4096, 1024, 8], "cp_size": 4}))
+
+
+def is_small(request: dict[str, Any]) -> bool:
+    """Whether a request is small enough for a heuristic fallback (SMALL_* bounds)."""
+    lengths = request.get("doc_lengths") or ()
+    ranks = request.get("cp_size")
+    if not isinstance(ranks, int) or not isinstance(lengths, list):
+        return True  # invalid: validation answers before any solver runs
+    tokens = sum(x for x in lengths if isinstance(x, int))
+    return tokens * ranks <= SMALL_TOKEN_RANKS and len(lengths) * ranks <= SMALL_DOC_RANKS
+
+
 def fallback_request(request: dict[str, Any], fallback_strategy: str) -> dict[str, Any]:
-    """The request a fallback plans: the same one if its strategy is fast, else
-    ``fallback_strategy`` without strategy-specific options."""
-    if request.get("strategy", "flashcp") in FAST_STRATEGIES:
+    """The request a fallback plans, chosen from the request alone (so every rank makes the
+    same choice): the same one if its strategy is bounded, or fast and the input small;
+    else ``fallback_strategy`` (without strategy-specific options) on the same terms; else
+    BOUNDED_FALLBACK, linear-time by construction."""
+    strategy = request.get("strategy", "flashcp")
+    small = is_small(request)
+    if strategy in BOUNDED_STRATEGIES or (strategy in FAST_STRATEGIES and small):
         return request
-    return {**request, "strategy": fallback_strategy, "options": {}}
+    if fallback_strategy in BOUNDED_STRATEGIES or (fallback_strategy in FAST_STRATEGIES
+                                                   and small):
+        return {**request, "strategy": fallback_strategy, "options": {}}
+    return bounded_request(request)
+
+
+def bounded_request(request: dict[str, Any]) -> dict[str, Any]:
+    """The request planned with BOUNDED_FALLBACK: the plan a client can always afford."""
+    return {**request, "strategy": BOUNDED_FALLBACK, "options": {}}

@@ -11,6 +11,12 @@ the next request it answers).
 While the service is failing the client is *degraded*: it computes each prefetched
 batch's fallback right away on a local thread (so ``get`` does not wait) and keeps
 asking the service with spare network threads, leaving degraded mode at its first answer.
+
+``get(timeout)`` returns within the timeout plus the cost of a linear-time plan, always:
+fallbacks run on daemon threads that can be abandoned, and a batch with no plan at the
+deadline gets ``llama3`` (linear in documents + ranks by construction) computed there.
+Which strategy a fallback uses depends on the request only (local.fallback_request), so
+ranks that fall back on the same batch plan alike.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -30,7 +36,12 @@ from typing import Any, NamedTuple
 from prometheus_client import Counter
 
 from planner_service.client.backends import Backend, ServiceError, make_backend
-from planner_service.client.local import fallback_request, solve_dict
+from planner_service.client.local import (
+    bounded_request,
+    fallback_request,
+    prepare,
+    solve_dict,
+)
 from planner_service.core.plan import Plan
 from planner_service.core.request import debug_request
 
@@ -41,6 +52,12 @@ FALLBACKS = Counter("planner_client_fallbacks", "Plans this process computed loc
 _job_ids = itertools.count()
 RETURN_MARGIN_S = 0.002
 """get() stops waiting this long before its deadline, to return within it."""
+
+
+def _in_background(fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` on a new daemon thread: one that never ends (a solver far slower
+    than expected) is abandoned, and neither delays ``get`` nor the process's exit."""
+    threading.Thread(target=fn, args=args, name="planner-client-local", daemon=True).start()
 
 
 def _warm_solvers() -> None:
@@ -127,7 +144,6 @@ class PlanClient:
         self._cond = threading.Condition()
         self._batches: OrderedDict[str, _Batch] = OrderedDict()
         self._network = ThreadPoolExecutor(self.network_threads, "planner-client-net")
-        self._local = ThreadPoolExecutor(1, "planner-client-local")
         self._busy_network = 0
         self._degraded = False
         self._degraded_since = 0.0
@@ -137,8 +153,10 @@ class PlanClient:
         self._fallbacks: dict[str, int] = {}
         self._last_error: str | None = None
         # Connect, import and warm the solvers now: the first batch then costs what later
-        # ones do (a cold process spends ~0.3 s on imports, TLS setup, first solve).
-        self._local.submit(_warm_solvers)
+        # ones do (a cold process spends ~0.3 s on imports, TLS setup, first solve). The
+        # bounded plan is ready before the constructor returns: get() may need it.
+        prepare()
+        _in_background(_warm_solvers)
         self._network.submit(self._warm_backend)
 
     def _warm_backend(self) -> None:
@@ -169,7 +187,6 @@ class PlanClient:
                 batch.consumed = True  # ends their long-polls
             self._batches.clear()
         self._network.shutdown(wait=False, cancel_futures=True)
-        self._local.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
 
     def __enter__(self) -> PlanClient:
@@ -205,7 +222,7 @@ class PlanClient:
             else:
                 batch.network_done = True  # no spare thread: plan locally this time
         if degraded:
-            self._local.submit(self._fill_fallback, batch, "unavailable")
+            _in_background(self._fill_fallback, batch, "unavailable")
 
     def get(self, batch_id: Any, timeout: float | None = None,
             doc_lengths: Sequence[int] | None = None) -> ClientPlan:
@@ -229,7 +246,7 @@ class PlanClient:
                 # Not answered yet: start the fallback now on the local thread, so that it
                 # has the whole timeout to finish even on a busy machine.
                 batch.speculating = True
-                self._local.submit(self._fill_fallback, batch, "late")
+                _in_background(self._fill_fallback, batch, "late")
             while True:
                 if batch.service is not None:
                     result: ClientPlan | None = batch.service
@@ -241,17 +258,14 @@ class PlanClient:
                     self._batches.pop(key, None)
                     raise batch.error
                 remaining = deadline - time.monotonic() - RETURN_MARGIN_S
-                if remaining <= 0 and batch.fallback is not None:
+                if remaining <= 0:  # the fallback, if ready; else the bounded plan below
                     result = batch.fallback
                     break
-                if remaining <= -self.timeout_s:  # the local thread is stuck: do it here
-                    result = None
-                    break
-                self._cond.wait(remaining if remaining > 0 else 0.001)
+                self._cond.wait(remaining)
             batch.consumed = True
             self._batches.pop(key, None)
-        if result is None:
-            result = self._solve_local(batch.request, "late")
+        if result is None:  # no plan at the deadline: the linear-time one, computed here
+            result = self._solve_local(bounded_request(batch.request), "late", direct=True)
         if result.fallback and batch.failure is not None:
             result = result._replace(reason=batch.failure)  # why the service gave no plan
         if result.fallback:
@@ -325,7 +339,7 @@ class PlanClient:
                 self._degraded, self._degraded_since = True, time.monotonic()
             batch.failure = reason
         if batch.fallback is None and not batch.consumed:
-            self._fill_fallback(batch, reason)
+            _in_background(self._fill_fallback, batch, reason)
 
     def _fill_fallback(self, batch: _Batch, reason: str) -> None:
         """Compute a batch's fallback plan (on whichever background thread calls it)."""
@@ -343,8 +357,11 @@ class PlanClient:
                 batch.fallback = plan
             self._cond.notify_all()
 
-    def _solve_local(self, request: dict[str, Any], reason: str) -> ClientPlan:
-        solved = solve_dict(fallback_request(request, self.fallback_strategy))
+    def _solve_local(self, request: dict[str, Any], reason: str, direct: bool = False
+                     ) -> ClientPlan:
+        """Plan locally: ``request`` itself if ``direct``, else its fallback request."""
+        solved = solve_dict(request if direct else
+                            fallback_request(request, self.fallback_strategy))
         return ClientPlan(solved.plan, solved.plan.to_json(), "local", True, reason,
                           solved.solve_ms)
 

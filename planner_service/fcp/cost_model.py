@@ -200,22 +200,40 @@ def load_profile(path: str | Path) -> FcpProfile:
     return read_json_file(path, "profile", FcpProfile.from_dict)
 
 
-def get_profile(spec: str | FcpProfile) -> FcpProfile:
-    """A profile by name, ``file:PATH`` (a fitted profile JSON), or the object itself.
+_PROFILE_FILES_ALLOWED = True
+"""Whether ``file:PATH`` specs may be opened in this process (see forbid_profile_files)."""
+
+
+def forbid_profile_files() -> None:
+    """Refuse ``file:PATH`` profile specs in this process from now on (the service's solver
+    processes call this: a request must never make the server open a path)."""
+    global _PROFILE_FILES_ALLOWED
+    _PROFILE_FILES_ALLOWED = False
+
+
+def get_profile(spec: str | dict[str, Any] | FcpProfile) -> FcpProfile:
+    """A profile by name, by value (a dict in ``to_dict`` form), ``file:PATH`` (a fitted
+    profile JSON; local use only, refused after forbid_profile_files), or the object itself.
 
     Raises ValueError listing the valid names for an unknown one.
     """
     if isinstance(spec, FcpProfile):
         return spec
+    if isinstance(spec, dict):
+        return FcpProfile.from_dict(spec)
     if not isinstance(spec, str):
-        raise ValueError(f"profile must be a name or 'file:PATH', got {spec!r}")
+        raise ValueError(f"profile must be a name, a profile object or 'file:PATH', got {spec!r}")
     if spec.startswith("file:"):
+        if not _PROFILE_FILES_ALLOWED:
+            raise ValueError("profile 'file:...' is not accepted here: send the profile by "
+                             f"value (a JSON object) or by name ({', '.join(sorted(PROFILES))})")
         return load_profile(spec.removeprefix("file:"))
     try:
         return PROFILES[spec]
     except KeyError:
         raise ValueError(
-            f"profile {spec!r} is unknown; valid: {', '.join(sorted(PROFILES))} or 'file:PATH'"
+            f"profile {spec[:64]!r} is unknown; valid: {', '.join(sorted(PROFILES))}, a profile "
+            "object or 'file:PATH'"
         ) from None
 
 

@@ -3,9 +3,13 @@
 Admission is synchronous (:meth:`Executor.submit`), so a caller learns at once that the
 service is full (:class:`Overloaded`, answered 429 / RESOURCE_EXHAUSTED with Retry-After)
 instead of the backlog growing. Identical requests (same content hash) share one solve
-while it runs and are answered from an LRU cache afterwards. A solve that outlives its
-deadline keeps running (a process cannot be interrupted safely) and still fills the cache,
-but the caller gets :class:`DeadlineExceeded` on time.
+while it runs and are answered from an LRU cache (bounded in entries and bytes) afterwards.
+
+Every solve runs under the latest deadline of the callers waiting for it: when that passes,
+or when every caller went away (connection dropped, gRPC cancelled), the solver process is
+killed and replaced (pool.py), so no request holds a worker past its deadline. With
+``PLANNER_WORKERS=0`` (one thread, tests and debugging) a late solve cannot be stopped: it
+finishes and fills the cache, and only the caller's answer is on time.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from planner_service.core.request import PlanRequest, debug_request
 from planner_service.core.validate import PlanError
+from planner_service.service import test_hooks
 from planner_service.service.metrics import ServiceMetrics
-from planner_service.service.pool import WorkerPool
+from planner_service.service.pool import TaskExpired, WorkerDied, WorkerPool
 from planner_service.service.schemas import FieldError, field_of
 from planner_service.service.settings import Settings
 from planner_service.solvers.registry import timed_solve
@@ -30,6 +36,8 @@ from planner_service.solvers.registry import timed_solve
 log = logging.getLogger("planner_service.service")
 
 WARM_STRATEGIES = ("flashcp", "llama3", "per_doc", "ring")
+WARM_TIMEOUT_S = 120.0
+"""Deadline of one worker's warm-up (imports and one small solve per fast strategy)."""
 
 
 class Overloaded(Exception):
@@ -58,18 +66,29 @@ class SolveResult(NamedTuple):
 
 # ---- functions that run in the worker processes (module level: they are pickled) -------
 
-def solve_in_worker(request: PlanRequest) -> tuple[str, str, float, dict[str, Any]]:
-    """Solve and serialise in the worker, so the event loop only moves a string."""
+def solve_in_worker(request: PlanRequest, max_plan_bytes: int | None = None
+                    ) -> tuple[str, str, float, dict[str, Any]]:
+    """Solve and serialise in the worker, so the event loop only moves a string.
+
+    Raises ValueError when the plan's JSON is above ``max_plan_bytes``.
+    """
+    test_hooks.install()
     solved = timed_solve(request)
     m = solved.plan.metrics
     headline = {"imbalance": m.imbalance, "comm_tokens": m.comm_tokens,
                 "full_comm_tokens": m.full_comm_tokens, "comm_saving": m.comm_saving,
                 "est_step_ms": m.est_step_ms, "tokens_per_rank": m.tokens_per_rank}
-    return solved.plan.to_json(), solved.plan.plan_id, solved.solve_ms, headline
+    text = solved.plan.to_json()
+    if max_plan_bytes is not None and len(text) > max_plan_bytes:
+        raise ValueError(f"cp_size: the plan is {len(text)} bytes of JSON, above the limit "
+                         f"{max_plan_bytes} (PLANNER_MAX_PLAN_BYTES); use fewer ranks or "
+                         "documents, or a strategy that splits fewer documents")
+    return text, solved.plan.plan_id, solved.solve_ms, headline
 
 
 def warm_worker() -> int:
     """Import the solvers and run each fast strategy once, so first requests are fast."""
+    test_hooks.install()
     for strategy in WARM_STRATEGIES:
         timed_solve(debug_request(strategy=strategy))
     return os.getpid()
@@ -79,9 +98,20 @@ def call_in_worker(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """Run ``fn(*args)`` and time it (used for FCP scheduling)."""
     import time
 
+    test_hooks.install()
     start = time.perf_counter()
     out = fn(*args)
     return out, (time.perf_counter() - start) * 1e3
+
+
+@dataclass(eq=False)
+class _Solve:
+    """One running solve and the callers waiting for it."""
+
+    raw: asyncio.Future[Any]
+    """The pool's future (its cancellation stops the solver process)."""
+    result: asyncio.Future[SolveResult]
+    waiters: int = 0
 
 
 class Executor:
@@ -92,10 +122,12 @@ class Executor:
         self.metrics = metrics
         self.workers = settings.workers
         self.capacity = max(1, settings.workers) + settings.queue_size
+        self.cache_bytes_limit = int(settings.cache_mb * 2**20)
         self._pool: WorkerPool | cf.ThreadPoolExecutor | None = None
         self._depth = 0
-        self._inflight: dict[str, asyncio.Future[SolveResult]] = {}
+        self._inflight: dict[str, _Solve] = {}
         self._cache: OrderedDict[str, SolveResult] = OrderedDict()
+        self._cache_bytes = 0
         self._ewma_solve_s = 0.005
         metrics.queue_capacity.set(self.capacity)
 
@@ -110,24 +142,32 @@ class Executor:
 
     async def start(self) -> None:
         """Start the workers and run one warm-up task on each (concurrently)."""
+        test_hooks.install()
         self._pool = self._make_pool()
-        pids = await asyncio.gather(*(self._submit(warm_worker)
+        pids = await asyncio.gather(*(self._submit(warm_worker, timeout_s=WARM_TIMEOUT_S)
                                       for _ in range(max(1, self.workers))))
         log.info("solver pool ready: %d worker(s) %s", self.workers, sorted(set(pids)))
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    def _submit(self, fn: Callable[..., Any], *args: Any, timeout_s: float
+                ) -> asyncio.Future[Any]:
         assert self._pool is not None
         if isinstance(self._pool, WorkerPool):
-            return self._pool.submit(fn, *args)
+            return self._pool.submit(fn, *args, timeout_s=timeout_s)
         return asyncio.wrap_future(self._pool.submit(fn, *args))
 
-    async def close(self) -> None:
-        """Wait for running solves (up to PLANNER_SHUTDOWN_GRACE_S), then stop the workers."""
-        pool, self._pool = self._pool, None
+    async def close(self, deadline: float | None = None) -> None:
+        """Wait for running solves until loop time ``deadline`` (default: now plus
+        PLANNER_SHUTDOWN_GRACE_S), then stop the workers, killing busy ones."""
+        pool = self._pool
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.settings.shutdown_grace_s
         if isinstance(pool, WorkerPool):
-            await pool.close(self.settings.shutdown_grace_s)
+            await pool.close(deadline)  # admission stays open while it drains
         elif pool is not None:
-            await asyncio.get_running_loop().run_in_executor(None, pool.shutdown, True)
+            self._pool = None
+            await loop.run_in_executor(None, pool.shutdown, True)
+        self._pool = None
 
     @property
     def depth(self) -> int:
@@ -138,11 +178,28 @@ class Executor:
     def cache_entries(self) -> int:
         return len(self._cache)
 
+    @property
+    def cache_bytes(self) -> int:
+        return self._cache_bytes
+
+    @property
+    def healthy(self) -> bool:
+        """False while every solver process is stuck past a deadline (readiness)."""
+        pool = self._pool
+        return pool is not None and (not isinstance(pool, WorkerPool) or pool.healthy())
+
+    @property
+    def kills(self) -> int:
+        """Solver processes stopped because their solve expired or was abandoned."""
+        return self._pool.kills if isinstance(self._pool, WorkerPool) else 0
+
     # ---- admission --------------------------------------------------------------------
 
     def _admit(self) -> None:
         if self._pool is None:
             raise Overloaded("the solver pool is not running (starting or shutting down)", 1)
+        if isinstance(self._pool, WorkerPool) and self._pool.closing:
+            raise WorkerDied("the service is stopping")
         if self._depth >= self.capacity:
             self.metrics.rejected.labels("queue_full").inc()
             per_worker = self._depth / max(1, self.workers)
@@ -150,10 +207,11 @@ class Executor:
             raise Overloaded(f"the solver queue is full ({self._depth} of {self.capacity} "
                              "solves admitted); retry later", retry)
 
-    def _run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    def _run(self, fn: Callable[..., Any], *args: Any, timeout_s: float
+             ) -> asyncio.Future[Any]:
         """Admit and start ``fn(*args)`` on the pool; the returned future is loop-bound."""
         self._admit()
-        future = self._submit(fn, *args)
+        future = self._submit(fn, *args, timeout_s=timeout_s)
         self._depth += 1
         self.metrics.queue_depth.set(self._depth)
 
@@ -166,14 +224,19 @@ class Executor:
 
     # ---- plans ------------------------------------------------------------------------
 
-    def submit(self, request: PlanRequest, key: str) -> asyncio.Future[SolveResult]:
-        """Start (or join, or answer from cache) the solve of ``request``.
+    def submit(self, request: PlanRequest, key: str, timeout_s: float | None = None
+               ) -> asyncio.Future[SolveResult]:
+        """Start (or join, or answer from cache) the solve of ``request``, to run at most
+        ``timeout_s`` (default: :meth:`timeout_for`) from now.
 
-        ``key`` is its content hash (schemas.request_key). Raises Overloaded at once when
-        the queue is full. The future fails with FieldError for bad input the edge could
-        not see (e.g. strategy-specific options) and PlanError for a solver bug.
+        ``key`` is its content hash (schemas.request_key). Every call counts one waiter;
+        call :meth:`release` when no longer waiting (the solve stops when the last waiter
+        leaves). A caller that never releases (the job store) keeps it to its deadline.
+        Raises Overloaded at once when the queue is full. The future fails with FieldError
+        for bad input the edge could not see, DeadlineExceeded, and PlanError for a bug.
         """
         loop = asyncio.get_running_loop()
+        timeout = self.timeout_for(timeout_s, request)
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
@@ -184,23 +247,42 @@ class Executor:
         joined = self._inflight.get(key)
         if joined is not None:
             self.metrics.cache_hits.inc()
-            return joined
-        raw = self._run(solve_in_worker, request)
+            joined.waiters += 1
+            if isinstance(self._pool, WorkerPool):
+                self._pool.extend(joined.raw, timeout)
+            return joined.result
+        raw = self._run(solve_in_worker, request, self.settings.max_plan_bytes,
+                        timeout_s=timeout)
         self.metrics.cache_misses.inc()
-        result: asyncio.Future[SolveResult] = loop.create_future()
-        self._inflight[key] = result
-        raw.add_done_callback(lambda f: self._finish(key, request.strategy, f, result))
-        return result
+        entry = _Solve(raw, loop.create_future(), waiters=1)
+        self._inflight[key] = entry
+        raw.add_done_callback(lambda f: self._finish(key, request.strategy, entry))
+        return entry.result
 
-    def _finish(self, key: str, strategy: str, raw: asyncio.Future[Any],
-                result: asyncio.Future[SolveResult]) -> None:
-        self._inflight.pop(key, None)
+    def release(self, key: str, future: asyncio.Future[SolveResult]) -> None:
+        """One waiter of ``future`` (from :meth:`submit`) stopped waiting; the last one
+        leaving an unfinished solve stops it (process pool only: a thread cannot be)."""
+        entry = self._inflight.get(key)
+        if entry is None or entry.result is not future:
+            return
+        entry.waiters -= 1
+        if entry.waiters <= 0 and not entry.raw.done() and isinstance(self._pool, WorkerPool):
+            entry.raw.cancel()
+
+    def _finish(self, key: str, strategy: str, entry: _Solve) -> None:
+        if self._inflight.get(key) is entry:
+            del self._inflight[key]
+        raw, result = entry.raw, entry.result
+        if result.done():
+            return
         if raw.cancelled():
             result.cancel()
             return
         exc = raw.exception()
         if exc is not None:
-            if isinstance(exc, ValueError) and not isinstance(exc, PlanError):
+            if isinstance(exc, TaskExpired):
+                exc = DeadlineExceeded(str(exc))
+            elif isinstance(exc, ValueError) and not isinstance(exc, PlanError):
                 exc = FieldError(field_of(str(exc)), str(exc))
             result.set_exception(exc)
             result.exception()  # mark retrieved: nobody may be waiting any more
@@ -209,39 +291,64 @@ class Executor:
         solved = SolveResult(plan_json, plan_id, strategy, solve_ms, False, headline)
         self._ewma_solve_s = 0.9 * self._ewma_solve_s + 0.1 * solve_ms / 1e3
         self.metrics.solve_seconds.labels(strategy).observe(solve_ms / 1e3)
-        if self.settings.cache_size > 0:
-            self._cache[key] = solved
-            while len(self._cache) > self.settings.cache_size:
-                self._cache.popitem(last=False)
-            self.metrics.cache_entries.set(len(self._cache))
+        self._remember(key, solved)
         result.set_result(solved)
+
+    def _remember(self, key: str, solved: SolveResult) -> None:
+        """Cache a plan, evicting least recently used ones beyond PLANNER_CACHE_SIZE
+        entries or PLANNER_CACHE_MB bytes; a plan larger than the byte bound is not kept."""
+        size = len(solved.plan_json)
+        if self.settings.cache_size <= 0 or size > self.cache_bytes_limit or key in self._cache:
+            return
+        self._cache[key] = solved
+        self._cache_bytes += size
+        while len(self._cache) > self.settings.cache_size \
+                or self._cache_bytes > self.cache_bytes_limit:
+            _, old = self._cache.popitem(last=False)
+            self._cache_bytes -= len(old.plan_json)
+        self.metrics.cache_entries.set(len(self._cache))
+        self.metrics.cache_bytes.set(self._cache_bytes)
 
     def timeout_for(self, requested_s: float | None, request: PlanRequest | None = None
                     ) -> float:
         """The deadline of one call: the caller's, capped at PLANNER_REQUEST_TIMEOUT_S
-        (raised to 2 x options.time_limit_s + 5 s for a request that sets a limit)."""
+        (raised to 2 x options.time_limit_s + 5 s for a request that sets a limit, itself
+        at most PLANNER_MAX_TIME_LIMIT_S)."""
         cap = self.settings.request_timeout_s
         limit = request.options.get("time_limit_s") if request is not None else None
         if isinstance(limit, (int, float)) and not isinstance(limit, bool):
-            cap = max(cap, 2 * float(limit) + 5)
+            cap = max(cap, 2 * min(float(limit), self.settings.max_time_limit_s) + 5)
         return cap if requested_s is None or requested_s <= 0 else min(cap, requested_s)
 
     async def solve(self, request: PlanRequest, key: str,
                     timeout_s: float | None = None) -> SolveResult:
         """Submit and wait up to the deadline; raises Overloaded, DeadlineExceeded,
-        FieldError or PlanError."""
-        future = self.submit(request, key)
-        return await wait_for(future, self.timeout_for(timeout_s, request))
+        FieldError or PlanError. Cancelling the caller stops the solve if nobody else
+        waits for it."""
+        timeout = self.timeout_for(timeout_s, request)
+        future = self.submit(request, key, timeout)
+        try:
+            return await wait_for(future, timeout)
+        finally:
+            self.release(key, future)
 
     async def call(self, fn: Callable[..., Any], *args: Any,
                    timeout_s: float | None = None) -> tuple[Any, float]:
-        """Run a picklable ``fn(*args)`` on the pool (no cache); returns (result, ms)."""
-        return await wait_for(self._run(call_in_worker, fn, *args), self.timeout_for(timeout_s))
+        """Run a picklable ``fn(*args)`` on the pool (no cache) within the deadline;
+        returns (result, ms). The solve is stopped when the deadline passes or the caller
+        is cancelled."""
+        timeout = self.timeout_for(timeout_s)
+        raw = self._run(call_in_worker, fn, *args, timeout_s=timeout)
+        try:
+            return await wait_for(raw, timeout)
+        finally:
+            if not raw.done() and isinstance(self._pool, WorkerPool):
+                raw.cancel()
 
 
 async def wait_for(future: asyncio.Future[Any], timeout_s: float) -> Any:
     """Await a shared future up to ``timeout_s`` without cancelling it for other waiters."""
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout_s)
-    except TimeoutError:
+    except (TimeoutError, TaskExpired):
         raise DeadlineExceeded(f"no answer within the deadline of {timeout_s:g} s") from None

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ValidationError
@@ -23,6 +24,7 @@ from planner_service.proto_build import load
 from planner_service.service import grpc_wire
 from planner_service.service.executor import DeadlineExceeded, Overloaded
 from planner_service.service.jobs import Conflict, NotFound
+from planner_service.service.middleware import bearer_token
 from planner_service.service.ops import NotImplementedYet, PlannerService
 from planner_service.service.pool import WorkerDied
 from planner_service.service.schemas import (
@@ -30,6 +32,7 @@ from planner_service.service.schemas import (
     FieldError,
     PlanRequestIn,
     ScheduleRequestIn,
+    check_json_depth,
     refuse_sequence_flood,
     validation_message,
 )
@@ -44,7 +47,44 @@ HTTP_EQUIVALENT = {
 """The ``status`` label of planner_requests_total is the HTTP answer the same outcome
 gets over HTTP, so one alert rule covers both transports (``transport`` tells them apart)."""
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+MAX_DETAILS = 1000
+"""Longest status message sent: it travels in the grpc-message trailer, and a client's
+long input echoed there must not turn an INVALID_ARGUMENT into RESOURCE_EXHAUSTED."""
 Code = grpc.StatusCode
+
+
+class Malformed:
+    """What the lenient deserializer gives for bytes that are not the expected message."""
+
+    def __init__(self, message_type: str, error: str) -> None:
+        self.message = (f"the request is not a valid {message_type} message: "
+                        f"{error[:200]}")
+
+
+def lenient(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that returns Malformed instead of raising (grpc would answer
+    UNKNOWN); the handlers answer INVALID_ARGUMENT for it."""
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            return Malformed(message_class.DESCRIPTOR.name, str(exc) or type(exc).__name__)
+    return parse
+
+
+def peer_address(peer: str) -> str:
+    """A gRPC peer as the HTTP edge names the same client: its address without scheme and
+    port ('ipv4:10.0.0.5:4242' -> '10.0.0.5', 'ipv6:[::1]:4242' -> '::1')."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return peer
+
+
+def peer_host(context: grpc.aio.ServicerContext) -> str:
+    return peer_address(context.peer() or "")
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
@@ -72,6 +112,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
     return Code.INTERNAL, f"{type(exc).__name__}: {exc}", ()
 
 
+def clamp(message: str) -> str:
+    return message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + "..."
+
+
 def _timeout(context: grpc.aio.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else max(remaining, 1e-3)
@@ -95,17 +139,22 @@ class PlannerServicer:
             fallbacks = dict(context.invocation_metadata() or ()).get("x-planner-fallbacks")
             self.svc.report_fallbacks(fallbacks if isinstance(fallbacks, str) else None)
             return await fn()
+        except asyncio.CancelledError:
+            code = Code.CANCELLED  # the caller cancelled or its deadline passed
+            raise
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             code, message, trailers = status_of(exc)
             if trailers:
                 context.set_trailing_metadata(trailers)
-            await context.abort(code, message)
+            await context.abort(code, clamp(message))
         finally:
             label = strategy if strategy in STRATEGIES else ("unknown" if strategy else "")
             m.requests.labels("grpc", endpoint, label, HTTP_EQUIVALENT.get(code.name, "500")).inc()
             m.request_seconds.labels("grpc", endpoint).observe(loop.time() - start)
 
     def _body(self, msg: Any, model: type[BaseModel] = PlanRequestIn, **extra: Any) -> Any:
+        if msg.options_json:
+            check_json_depth(msg.options_json, self.svc.limits.max_json_depth, "options_json")
         return model.model_validate({**grpc_wire.request_to_dict(msg), **extra})
 
     async def Plan(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -127,6 +176,8 @@ class PlannerServicer:
     async def Schedule(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
             refuse_sequence_flood(request.request_json, self.svc.limits.max_sequences)
+            check_json_depth(request.request_json, self.svc.limits.max_json_depth,
+                             "request_json")
             try:
                 data = json.loads(request.request_json or "{}")
             except ValueError as exc:
@@ -138,7 +189,8 @@ class PlannerServicer:
 
     async def SubmitBatch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
-            entry, _ = self.svc.submit(request.job, request.batch, self._body(request.request))
+            entry, _ = self.svc.submit(request.job, request.batch, self._body(request.request),
+                                       client=peer_host(context))
             return self._submitted(entry)
         return await self._call(context, "SubmitBatch", request.request.strategy or "flashcp",
                                 run)
@@ -158,36 +210,71 @@ class PlannerServicer:
 
     async def StreamPlans(self, requests: AsyncIterator[Any],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        """Submit each batch as it arrives; answer in arrival order as each is solved."""
-        pending: asyncio.Queue[Any] = asyncio.Queue()
+        """Submit each batch as it arrives; answer in arrival order as each is solved.
+
+        At most PLANNER_MAX_STREAM_PENDING messages are unanswered at a time: beyond that
+        the server stops reading the stream, and HTTP/2 flow control holds the sender.
+        """
+        m = self.svc.metrics
+        limit = self.svc.settings.max_stream_pending
+        pending: asyncio.Queue[Any] = asyncio.Queue(maxsize=limit)
+        client = peer_host(context)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        code = Code.OK
 
         async def read() -> None:
             async for item in requests:
+                m.stream_messages.labels("in").inc()
+                if isinstance(item, Malformed):
+                    await pending.put(("malformed", item, None))
+                    return
+                got: tuple[Any, Any, Exception | None]
                 try:
-                    entry, _ = self.svc.submit(item.job, item.batch, self._body(item.request))
-                    await pending.put((item, entry, None))
+                    entry, _ = self.svc.submit(item.job, item.batch, self._body(item.request),
+                                               client=client)
+                    got = (item, entry, None)
                 except Exception as exc:  # noqa: BLE001 - reported in order, in-band
-                    await pending.put((item, None, exc))
+                    got = (item, None, exc)
+                if pending.full():
+                    m.stream_waits.inc()
+                await pending.put(got)
             await pending.put(None)
 
         reader = asyncio.create_task(read())
         try:
             while (got := await pending.get()) is not None:
                 item, entry, exc = got
+                if item == "malformed":
+                    code = Code.INVALID_ARGUMENT
+                    await context.abort(code, entry.message)
                 if entry is not None:
                     try:
                         result = await asyncio.shield(entry.future)
+                        m.stream_messages.labels("out").inc()
                         yield self.pb2.StreamPlan(job=item.job, batch=item.batch,
                                                   plan=grpc_wire.plan_reply(self.pb2, result))
                         continue
                     except Exception as solve_exc:  # noqa: BLE001
                         exc = solve_exc
-                code, message, _ = status_of(exc)
+                status, message, _ = status_of(exc)
+                m.stream_messages.labels("out").inc()
                 yield self.pb2.StreamPlan(job=item.job, batch=item.batch,
-                                          error_code=code.name, error=message)
+                                          error_code=status.name, error=clamp(message))
             await reader
+        except asyncio.CancelledError:
+            code = Code.CANCELLED
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. the stream broke
+            code, message, _ = status_of(exc)
+            await context.abort(code, clamp(message))
         finally:
             reader.cancel()
+            m.requests.labels("grpc", "StreamPlans", "", HTTP_EQUIVALENT.get(code.name, "500")
+                              ).inc()
+            m.request_seconds.labels("grpc", "StreamPlans").observe(loop.time() - start)
 
     async def ListStrategies(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self.pb2.StrategiesReply(strategies=[
@@ -198,15 +285,15 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED without ``authorization: Bearer <token>``, except for health."""
 
     def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}"
+        self.expected = token.encode()
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(given, str) and hmac.compare_digest(given.encode(),
-                                                          self.expected.encode()):
+        token = bearer_token(given.encode()) if isinstance(given, str) else None
+        if token is not None and hmac.compare_digest(token, self.expected):
             return handler
         return _deny(handler)
 
@@ -251,6 +338,36 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
+def add_planner(server: grpc.aio.Server, servicer: PlannerServicer, pb2: Any) -> None:
+    """Register the Planner methods like the generated add_PlannerServicer_to_server, but
+    with lenient request deserializers: malformed bytes answer INVALID_ARGUMENT."""
+    service = pb2.DESCRIPTOR.services_by_name["Planner"]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(pb2, method.input_type.name)
+        reply_class = getattr(pb2, method.output_type.name)
+        behaviour = getattr(servicer, method.name)
+        kwargs = {"request_deserializer": lenient(request_class),
+                  "response_serializer": reply_class.SerializeToString}
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
+        else:
+            assert not method.client_streaming and not method.server_streaming, method.name
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _refuse_malformed(behaviour), **kwargs)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def _refuse_malformed(behaviour: Callable[[Any, Any], Awaitable[Any]]
+                      ) -> Callable[[Any, Any], Awaitable[Any]]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Malformed):
+            await context.abort(Code.INVALID_ARGUMENT, request.message)
+        return await behaviour(request, context)
+    return unary
+
+
 async def start_grpc(service: PlannerService, host: str, port: int) -> GrpcServer:
     """Build, bind and start the gRPC server; raises RuntimeError if the port is taken."""
     stubs = load()
@@ -262,7 +379,7 @@ async def start_grpc(service: PlannerService, host: str, port: int) -> GrpcServe
         options=[("grpc.max_receive_message_length", limit),
                  ("grpc.max_send_message_length", max(limit, 64 * 2**20)),
                  ("grpc.so_reuseport", 0)])
-    stubs.pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(service, stubs.pb2), server)
+    add_planner(server, PlannerServicer(service, stubs.pb2), stubs.pb2)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (stubs.pb2.DESCRIPTOR.services_by_name["Planner"].full_name,

@@ -33,6 +33,7 @@ from planner_service.service.schemas import (
     PlanRequestIn,
     ScheduleRequestIn,
     StrategyOut,
+    check_json_depth,
     refuse_sequence_flood,
 )
 from planner_service.service.settings import Settings, load_settings
@@ -40,7 +41,7 @@ from planner_service.service.settings import Settings, load_settings
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 JSON = "application/json"
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorOut} for code in (401, 404, 409, 413, 422, 429, 501, 503, 504)}
+    code: {"model": ErrorOut} for code in (401, 404, 409, 413, 415, 422, 429, 501, 503, 504)}
 DeadlineHeader = Annotated[int | None, Header(alias="X-Planner-Deadline-Ms", ge=1,
                                               le=3_600_000)]
 FallbackHeader = Annotated[str | None, Header(alias="X-Planner-Fallbacks")]
@@ -96,7 +97,7 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
               openapi_extra=body_doc(PlanRequestIn))
     async def plan(request: Request, deadline_ms: DeadlineHeader = None,
                    fallbacks: FallbackHeader = None) -> Response:
-        body = await parse_body(request, PlanRequestIn)
+        body = await parse_body(request, PlanRequestIn, svc.limits.max_json_depth)
         request.state.strategy = body.strategy
         svc.report_fallbacks(fallbacks)
         return plan_response(await svc.plan(body, _seconds(deadline_ms)))
@@ -105,7 +106,7 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
               summary="Plan the same input with every strategy (or those listed)",
               openapi_extra=body_doc(CompareRequestIn))
     async def compare(request: Request, deadline_ms: DeadlineHeader = None) -> Response:
-        body = await parse_body(request, CompareRequestIn)
+        body = await parse_body(request, CompareRequestIn, svc.limits.max_json_depth)
         result = await svc.compare(body, _seconds(deadline_ms))
         # Splice the plans' canonical bytes in unchanged.
         entries = ",".join(
@@ -120,7 +121,7 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
               openapi_extra=body_doc(ScheduleRequestIn))
     async def schedule(request: Request, deadline_ms: DeadlineHeader = None) -> Response:
         refuse_sequence_flood(await request.body(), svc.limits.max_sequences)
-        body = await parse_body(request, ScheduleRequestIn)
+        body = await parse_body(request, ScheduleRequestIn, svc.limits.max_json_depth)
         text, ms = await svc.schedule(body, _seconds(deadline_ms))
         return Response(text, media_type=JSON, headers={"Server-Timing": f"solve;dur={ms:.3f}"})
 
@@ -134,10 +135,11 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
              openapi_extra=body_doc(PlanRequestIn))
     async def submit(job: str, batch: str, request: Request,
                      fallbacks: FallbackHeader = None) -> JSONResponse:
-        body = await parse_body(request, PlanRequestIn)
+        body = await parse_body(request, PlanRequestIn, svc.limits.max_json_depth)
         request.state.strategy = body.strategy
         svc.report_fallbacks(fallbacks)
-        entry, created = svc.submit(job, batch, body)
+        entry, created = svc.submit(job, batch, body,
+                                    client=request.client.host if request.client else "")
         code = 200 if entry.status == "done" else 202
         return JSONResponse(job_status(entry), status_code=code)
 
@@ -164,15 +166,17 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["ops"], summary="Readiness: pool warm and not shutting down")
+    @app.get("/readyz", tags=["ops"], summary="Readiness: pool warm, not shutting down, and "
+             "not every solver process stuck past a deadline")
     async def readyz() -> JSONResponse:
-        if svc.ready:
+        if svc.is_ready:
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not ready"}, status_code=503)
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
     async def metrics() -> Response:
         svc.metrics.cache_entries.set(svc.executor.cache_entries)
+        svc.metrics.cache_bytes.set(svc.executor.cache_bytes)
         return Response(svc.metrics.render(), media_type=svc.metrics.content_type)
 
     @app.get("/", include_in_schema=False)
@@ -187,14 +191,16 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
 Model = TypeVar("Model", bound=BaseModel)
 
 
-async def parse_body(request: Request, model: type[Model]) -> Model:
-    """Validate the raw JSON body with pydantic-core in one pass.
+async def parse_body(request: Request, model: type[Model], max_depth: int) -> Model:
+    """Validate the raw JSON body with pydantic-core in one pass, after refusing nesting
+    deeper than ``max_depth``.
 
     Routes read bodies this way rather than through FastAPI's body parameters: that path
     decodes JSON into Python objects first and costs more per request than the rest of
     the edge together. Raises RequestValidationError (answered 422) like FastAPI would.
     """
     body = await request.body()
+    check_json_depth(body, max_depth)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

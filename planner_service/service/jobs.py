@@ -4,7 +4,10 @@ A job is a training run; a batch id names one packed sequence of it. Submitting 
 content again is idempotent (same entry, same plan); different content under a batch id
 already used is a :class:`Conflict`. Finished plans live ``ttl_s``; memory is bounded by
 the number of jobs (least recently used evicted), batches per job (oldest evicted) and the
-bytes of stored plans (oldest finished evicted).
+bytes of stored plans (oldest finished evicted). Each client (peer address) holds at most
+``max_jobs_per_client`` jobs: beyond it, and when the store is full, the job evicted is
+the least recently used one of the client holding the most, so one client flooding job
+ids evicts its own jobs, not another client's batches.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ class JobStore:
 
     def __init__(self, *, ttl_s: float, max_jobs: int, max_batches_per_job: int,
                  memory_bytes: int, deadline_s: float, metrics: ServiceMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_jobs_per_client: int | None = None) -> None:
         self.ttl_s = ttl_s
         self.max_jobs = max_jobs
         self.max_batches_per_job = max_batches_per_job
@@ -80,7 +84,12 @@ class JobStore:
         self.deadline_s = deadline_s
         self.metrics = metrics
         self.clock = clock
+        self.max_jobs_per_client = max_jobs_per_client or max_jobs
         self._jobs: OrderedDict[str, OrderedDict[str, BatchEntry]] = OrderedDict()
+        self._owner: dict[str, str] = {}
+        """job -> the client that created it."""
+        self._by_client: dict[str, OrderedDict[str, None]] = {}
+        """client -> its jobs, least recently used first."""
         self._finished: deque[BatchEntry] = deque()
         """Finished entries in finishing order: the TTL and memory eviction order."""
         self._bytes = 0
@@ -99,7 +108,8 @@ class JobStore:
         return self._bytes
 
     def submit(self, job: str, batch: str, key: str,
-               start: Callable[[], asyncio.Future[SolveResult]]) -> tuple[BatchEntry, bool]:
+               start: Callable[[], asyncio.Future[SolveResult]], client: str = ""
+               ) -> tuple[BatchEntry, bool]:
         """Register a batch and start its solve with ``start()``; returns (entry, created).
 
         Raises FieldError for bad ids, Conflict if the batch exists with other content,
@@ -110,7 +120,7 @@ class JobStore:
         self.sweep()
         batches = self._jobs.get(job)
         if batches is not None:
-            self._jobs.move_to_end(job)
+            self._touch(job)
             existing = batches.get(batch)
             if existing is not None:
                 if existing.key != key:
@@ -125,17 +135,29 @@ class JobStore:
                            deadline=self.clock() + self.deadline_s)
         if batches is None:
             batches = self._jobs[job] = OrderedDict()
+            self._owner[job] = client
+            self._by_client.setdefault(client, OrderedDict())[job] = None
         batches[batch] = entry
         self._num_batches += 1
         future.add_done_callback(lambda _: self._on_done(entry))
         while len(batches) > self.max_batches_per_job:
             self._drop(next(iter(batches.values())), "job_window")
+        owner = self._owner[job]
+        while len(self._by_client.get(owner, ())) > self.max_jobs_per_client:
+            self._drop_job(next(iter(self._by_client[owner])), "client_jobs")
         while len(self._jobs) > self.max_jobs:
-            oldest = next(iter(self._jobs))
-            for old in list(self._jobs[oldest].values()):
-                self._drop(old, "max_jobs")
+            biggest = max(self._by_client.values(), key=len)
+            self._drop_job(next(iter(biggest)), "max_jobs")
         self._gauges()
         return entry, True
+
+    def _touch(self, job: str) -> None:
+        self._jobs.move_to_end(job)
+        self._by_client[self._owner[job]].move_to_end(job)
+
+    def _drop_job(self, job: str, reason: str) -> None:
+        for old in list(self._jobs[job].values()):
+            self._drop(old, reason)
 
     def get(self, job: str, batch: str) -> BatchEntry:
         """The entry of a batch; raises FieldError for bad ids and NotFound."""
@@ -205,6 +227,11 @@ class JobStore:
             self._num_batches -= 1
             if not batches:
                 del self._jobs[entry.job]
+                owner = self._owner.pop(entry.job)
+                jobs = self._by_client[owner]
+                del jobs[entry.job]
+                if not jobs:
+                    del self._by_client[owner]
         if entry.finished_at is not None:
             self._bytes -= entry.size
         self.metrics.job_evictions.labels(reason).inc()

@@ -39,10 +39,21 @@ class ServiceMetrics:
         self.cache_misses = Counter("planner_cache_misses", "Plans that needed a solve",
                                     registry=r)
         self.cache_entries = Gauge("planner_cache_entries", "Plans in the cache", registry=r)
+        self.cache_bytes = Gauge("planner_cache_bytes", "Plan bytes in the cache", registry=r)
         self.fallbacks = Counter(
             "planner_fallbacks",
-            "Local fallback plans that clients reported (X-Planner-Fallbacks header / metadata)",
+            "Local fallback plans that clients reported (X-Planner-Fallbacks header / "
+            "metadata; reason client_reported, at most 1 per request: not a measurement)",
             ("reason",), registry=r)
+        self.solver_kills = Gauge(
+            "planner_solver_kills", "Solver processes stopped (and replaced) because their "
+            "solve passed its deadline or every caller went away", registry=r)
+        self.stream_messages = Counter(
+            "planner_stream_messages", "StreamPlans messages by direction (in, out)",
+            ("direction",), registry=r)
+        self.stream_waits = Counter(
+            "planner_stream_backpressure", "Times a StreamPlans call stopped reading because "
+            "PLANNER_MAX_STREAM_PENDING messages were unanswered", registry=r)
         self.ready = Gauge("planner_ready", "1 while /readyz answers 200 (pool warm, not "
                            "draining), else 0", registry=r)
         self.jobs = Gauge("planner_jobs", "Jobs in the job store", registry=r)

@@ -1,7 +1,11 @@
-"""Pure ASGI middleware: bearer token, body-size and body-time limits, per-request metrics.
+"""Pure ASGI middleware: bearer token, content type, body-size and body-time limits, client
+disconnects, per-request metrics.
 
 Pure ASGI (not BaseHTTPMiddleware) because it runs on every request of a latency-bound
 service: it adds a few microseconds, and long-polls keep seeing client disconnects.
+
+A request with a body is answered by a task that is cancelled when the client disconnects
+before the answer (status 499 in the metrics): its solve then stops (executor.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,27 @@ PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/", "/favicon.ico"})
 """No token needed: health, and the static page (a browser cannot send a bearer header
 when it navigates; the page holds no data and asks for the token before calling the API)."""
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+JSON_TYPE = b"application/json"
+CLIENT_CLOSED = 499
+"""The status recorded for a request whose client went away before the answer (nginx's)."""
+CLOSED_KEY = "planner.client_closed"
+"""Scope key the middleware sets when it cancelled a request for that reason."""
+
+
+def bearer_token(header: bytes) -> bytes | None:
+    """The credentials of an ``Authorization: Bearer <token>`` header; the scheme is
+    case-insensitive (RFC 7235). None for another scheme or a malformed header."""
+    scheme, _, token = header.strip().partition(b" ")
+    if scheme.lower() != b"bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def is_json(content_type: bytes | None) -> bool:
+    """Whether a Content-Type header is application/json (parameters such as charset allowed)."""
+    if content_type is None:
+        return False
+    return content_type.split(b";", 1)[0].strip().lower() == JSON_TYPE
 
 
 def is_public(path: str) -> bool:
@@ -38,15 +63,16 @@ async def _reply(send: Any, status: int, detail: str, field: str | None = None,
 
 
 class AuthAndLimits:
-    """401 without the bearer token (if one is set), 413 above PLANNER_MAX_BODY_BYTES, 408
-    when the body takes longer than PLANNER_BODY_TIMEOUT_S to arrive, and request counts
-    and latency for every answer."""
+    """401 without the bearer token (if one is set), 415 for a body that is not
+    application/json (a web page cannot send one without a CORS preflight), 413 above
+    PLANNER_MAX_BODY_BYTES, 408 when the body takes longer than PLANNER_BODY_TIMEOUT_S to
+    arrive, cancellation on disconnect, and request counts and latency for every answer."""
 
     def __init__(self, app: Any, service: PlannerService) -> None:
         self.app = app
         self.service = service
         token = service.settings.token_value()
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.expected = token.encode() if token else None
         self.max_body = service.settings.max_body_bytes
         self.body_timeout_s = service.settings.body_timeout_s
 
@@ -65,12 +91,14 @@ class AuthAndLimits:
         try:
             await self._handle(scope, receive, send_status)
         finally:
+            if scope.get(CLOSED_KEY):
+                status[0] = CLIENT_CLOSED
             self._record(scope, status[0], time.perf_counter() - start)
 
     async def _handle(self, scope: Scope, receive: Any, send: Any) -> None:
         headers = dict(scope["headers"])
         if self.expected is not None and not is_public(scope["path"]):
-            given = headers.get(b"authorization", b"")
+            given = bearer_token(headers.get(b"authorization", b"")) or b""
             if not hmac.compare_digest(given, self.expected):
                 await _reply(send, 401, "missing or wrong bearer token (Authorization: Bearer "
                              "<PLANNER_TOKEN>)", "authorization",
@@ -82,6 +110,10 @@ class AuthAndLimits:
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
             await self._too_large(send)
+            return
+        if not is_json(headers.get(b"content-type")):
+            await _reply(send, 415, "request bodies must be Content-Type: application/json",
+                         "content-type")
             return
         # Read the body here, bounded in size and time, so chunked uploads cannot exceed
         # the limit either and a trickling client cannot hold the connection.
@@ -97,6 +129,12 @@ class AuthAndLimits:
         if len(body) > self.max_body:
             await self._too_large(send)
             return
+        await self._answer(scope, receive, send, body)
+
+    async def _answer(self, scope: Scope, receive: Any, send: Any, body: bytes) -> None:
+        """Run the app on the read body; cancel it if the client disconnects first."""
+        gone = asyncio.Event()
+        answered = False
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -104,9 +142,38 @@ class AuthAndLimits:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            await gone.wait()
+            return {"type": "http.disconnect"}
 
-        await self.app(scope, replay, send)
+        async def tracked_send(message: dict[str, Any]) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                answered = True
+            await send(message)
+
+        async def watch() -> None:
+            # After the body, the server's receive() returns only when the client went
+            # away (or the response is complete).
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        app_task = asyncio.ensure_future(self.app(scope, replay, tracked_send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({app_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not app_task.done() and not answered:
+                app_task.cancel()  # the client is gone: stop its work
+            try:
+                await app_task
+            except asyncio.CancelledError:
+                if not gone.is_set() or not app_task.cancelled():
+                    raise
+                scope[CLOSED_KEY] = True  # nobody to answer: end quietly
+        finally:
+            watcher.cancel()
+            if not app_task.done():
+                app_task.cancel()
 
     async def _read_body(self, receive: Any) -> bytes | None:
         """The whole body (None if the client went away), read no further than one chunk

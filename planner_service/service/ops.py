@@ -21,12 +21,14 @@ from planner_service.service.executor import (
 )
 from planner_service.service.jobs import BatchEntry, JobStore
 from planner_service.service.metrics import ServiceMetrics
+from planner_service.service.profiles import ProfileCatalog
 from planner_service.service.schemas import (
     CompareRequestIn,
     FieldError,
     Limits,
     PlanRequestIn,
     ScheduleRequestIn,
+    check_shards,
     check_strategy,
     field_of,
     request_key,
@@ -37,7 +39,9 @@ from planner_service.solvers.registry import STRATEGIES, get_strategy, strategy_
 
 log = logging.getLogger("planner_service.service")
 
-MAX_REPORTED_FALLBACKS = 1_000_000
+MAX_REPORTED_FALLBACKS = 1
+"""Most fallbacks one request may add to planner_fallbacks_total{reason="client_reported"}:
+a client cannot inflate the counter (and fire alerts) faster than it sends requests."""
 
 
 class NotImplementedYet(Exception):
@@ -59,31 +63,49 @@ class PlannerService:
         self.limits = Limits.from_settings(settings)
         self.metrics = ServiceMetrics()
         self.executor = Executor(settings, self.metrics)
+        self.profiles = ProfileCatalog(settings.fcp_profiles)
         self.jobs = JobStore(
             ttl_s=settings.job_ttl_s, max_jobs=settings.max_jobs,
             max_batches_per_job=settings.max_batches_per_job,
             memory_bytes=int(settings.job_memory_mb * 2**20),
-            deadline_s=settings.request_timeout_s, metrics=self.metrics)
+            deadline_s=settings.request_timeout_s, metrics=self.metrics,
+            max_jobs_per_client=settings.max_jobs_per_client)
         self.ready = False
-        """Readiness: true once the pool is warm, false again as soon as shutdown starts."""
-        self.metrics.ready.set_function(lambda: 1.0 if self.ready else 0.0)
+        """Lifecycle: true once the pool is warm, false again as soon as shutdown starts."""
+        self.metrics.ready.set_function(lambda: 1.0 if self.is_ready else 0.0)
+        self.metrics.solver_kills.set_function(lambda: float(self.executor.kills))
+
+    @property
+    def is_ready(self) -> bool:
+        """Readiness (/readyz, gRPC health): started, not draining, and at least one solver
+        process not stuck past a deadline (stuck ones are being replaced)."""
+        return self.ready and self.executor.healthy
 
     async def start(self) -> None:
         await self.executor.start()
         self.ready = True
 
-    async def close(self) -> None:
+    async def close(self, deadline: float | None = None) -> None:
+        """Drain and stop the solvers by loop time ``deadline`` (default: the grace)."""
         self.ready = False
-        await self.executor.close()
+        await self.executor.close(deadline)
 
     # ---- requests ---------------------------------------------------------------------
 
     def request(self, body: PlanRequestIn, strategy: str | None = None
                 ) -> tuple[PlanRequest, str]:
         """Core request and its content hash; raises FieldError."""
-        request = to_plan_request(body, self.limits, strategy=strategy)
+        request = self._with_profile(to_plan_request(body, self.limits, strategy=strategy))
         check_strategy(request)
         return request, request_key(request)
+
+    def _with_profile(self, request: PlanRequest) -> PlanRequest:
+        """``options.profile`` resolved to a built-in name or a profile by value."""
+        if "profile" not in request.options:
+            return request
+        options = dict(request.options)
+        options["profile"] = self.profiles.resolve(options["profile"], "options.profile")
+        return replace(request, options=options)
 
     async def plan(self, body: PlanRequestIn, timeout_s: float | None = None) -> SolveResult:
         """Solve one request; raises FieldError, Overloaded, DeadlineExceeded, PlanError."""
@@ -112,21 +134,27 @@ class PlannerService:
         if unknown:
             raise FieldError("options", f"options {unknown} are not options of any of the "
                              f"strategies {names}")
-        base = to_plan_request(body, self.limits, strategy=names[0])
-        futures = []
-        for name in names:
-            options = {k: v for k, v in body.options.items() if k in STRATEGIES[name].options}
-            request = replace(base, strategy=name, options=options)
-            futures.append(self.executor.submit(request, request_key(request)))
+        base = self._with_profile(to_plan_request(body, self.limits, strategy=names[0]))
         deadline = self.executor.timeout_for(timeout_s, base)
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(asyncio.shield(f), deadline) for f in futures),
-            return_exceptions=True)
+        submitted: list[tuple[str, asyncio.Future[SolveResult]]] = []
+        try:
+            for name in names:
+                options = {k: v for k, v in base.options.items()
+                           if k in STRATEGIES[name].options}
+                request = replace(base, strategy=name, options=options)
+                key = request_key(request)
+                submitted.append((key, self.executor.submit(request, key, deadline)))
+            outcomes = await asyncio.gather(
+                *(asyncio.wait_for(asyncio.shield(f), deadline) for _, f in submitted),
+                return_exceptions=True)
+        finally:  # every solve this call started stops with it (deadline or cancel)
+            for key, future in submitted:
+                self.executor.release(key, future)
         results, errors = [], {}
         for name, outcome in zip(names, outcomes, strict=True):
             if isinstance(outcome, SolveResult):
                 results.append(outcome)
-            elif isinstance(outcome, TimeoutError):
+            elif isinstance(outcome, (TimeoutError, DeadlineExceeded)):
                 errors[name] = f"no plan within the deadline of {deadline:g} s"
             elif isinstance(outcome, FieldError):
                 errors[name] = str(outcome)
@@ -159,11 +187,11 @@ class PlannerService:
         if body.num_ranks > self.limits.max_cp_size:
             raise FieldError("num_ranks", f"num_ranks must be in [1, {self.limits.max_cp_size}] "
                              f"(PLANNER_MAX_CP_SIZE), got {body.num_ranks}")
+        check_shards(sum(len(seq) for seq in body.sequences), body.num_ranks, self.limits,
+                     "num_ranks")
         payload = body.model_dump()
-        if not isinstance(payload.get("profile", ""), str) or \
-                str(payload.get("profile", "")).startswith("file:"):
-            raise FieldError("profile", "profile must be the name of a built-in FCP profile "
-                             "(file: paths are not accepted over the network)")
+        if "profile" in payload:
+            payload["profile"] = self.profiles.resolve(payload["profile"], "profile")
         try:
             text, ms = await self.executor.call(fcp_bridge.schedule_in_worker, payload,
                                                 timeout_s=timeout_s)
@@ -173,11 +201,13 @@ class PlannerService:
 
     # ---- jobs -------------------------------------------------------------------------
 
-    def submit(self, job: str, batch: str, body: PlanRequestIn) -> tuple[BatchEntry, bool]:
-        """Start planning a batch; returns (entry, created). Raises FieldError, Conflict,
-        Overloaded."""
+    def submit(self, job: str, batch: str, body: PlanRequestIn, client: str = ""
+               ) -> tuple[BatchEntry, bool]:
+        """Start planning a batch for ``client`` (its peer address: the per-client bound of
+        the job store); returns (entry, created). Raises FieldError, Conflict, Overloaded."""
         request, key = self.request(body)
-        return self.jobs.submit(job, batch, key, lambda: self.executor.submit(request, key))
+        return self.jobs.submit(job, batch, key, lambda: self.executor.submit(request, key),
+                                client=client)
 
     async def fetch(self, job: str, batch: str, wait_ms: int) -> BatchEntry:
         """Long-poll a batch up to ``wait_ms`` (capped at PLANNER_MAX_WAIT_MS)."""
@@ -194,15 +224,17 @@ class PlannerService:
                  "options": dict(s.options)} for s in (get_strategy(n) for n in strategy_names())]
 
     def report_fallbacks(self, value: str | None) -> None:
-        """Count fallbacks a client reports (header X-Planner-Fallbacks); ignores junk."""
-        if not value:
+        """Count fallbacks a client reports (header X-Planner-Fallbacks), at most
+        MAX_REPORTED_FALLBACKS per request and labelled client_reported; ignores junk."""
+        if not value or len(value) > 12:
             return
         try:
             count = int(value)
         except ValueError:
             return
-        if 0 < count <= MAX_REPORTED_FALLBACKS:
-            self.metrics.fallbacks.labels("client").inc(count)
+        if count > 0:
+            self.metrics.fallbacks.labels("client_reported").inc(
+                min(count, MAX_REPORTED_FALLBACKS))
 
 
 __all__ = ["Comparison", "DeadlineExceeded", "NotImplementedYet", "Overloaded",

@@ -1,10 +1,16 @@
-"""Solver processes fed straight from the event loop over pipes.
+"""Solver processes fed straight from the event loop over pipes, each task under a deadline.
 
 Why not ``concurrent.futures.ProcessPoolExecutor``: it moves every task through a
 management thread and a queue feeder thread, and at hundreds of ~1 ms solves per second
 the event loop spends its time handing the GIL to those threads. Here the loop writes a
 task to an idle worker's pipe and an ``add_reader`` callback reads the answer: no helper
 threads in the server process at all.
+
+Every task has a deadline (loop time). A task still waiting when its deadline passes is
+dropped; a task still running then, or one whose future is cancelled (every caller went
+away), has its worker process killed and replaced unless it finishes within KILL_AFTER_S:
+a solver cannot be interrupted safely from outside, but a process can, so no request holds
+a worker more than a quarter second past its deadline.
 
 Workers come from a forkserver (spawn off Linux), never a fork of the threaded server.
 A worker that dies fails its task with :class:`WorkerDied` and is replaced.
@@ -20,14 +26,32 @@ import os
 import sys
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 log = logging.getLogger("planner_service.service")
 
+KILL_AFTER_S = 0.25
+"""A solve whose caller is answered (deadline) or gone gets this long to finish on its own
+before its process is killed: a solve that was nearly done costs no process restart, so
+requests with tiny deadlines cannot make the pool fork for each of them."""
+KILL_CHECK_S = 0.05
+"""How often a killed worker is checked for having exited (its pipe EOF may lag)."""
+PRELOAD = ("planner_service.service.executor", "planner_service.solvers.ilp",
+           "planner_service.solvers.fcp_strategy", "planner_service.solvers.auto")
+"""Imported once by the forkserver, so a solver process that replaces a killed one starts
+warm (milliseconds, not the seconds of importing pydantic and OR-Tools afresh)."""
+STUCK_AFTER_S = 1.0
+"""A worker still busy this long after its task's deadline counts as stuck (readiness)."""
+
 
 class WorkerDied(RuntimeError):
     """The solver process running a task exited (crash, OOM kill)."""
+
+
+class TaskExpired(RuntimeError):
+    """A task's deadline passed before it finished; its worker was killed and replaced."""
 
 
 def pool_context() -> Any:
@@ -36,7 +60,7 @@ def pool_context() -> Any:
     method = "forkserver" if sys.platform.startswith("linux") else "spawn"
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["planner_service.solvers.registry"])
+        ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
@@ -60,6 +84,10 @@ def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
 def worker_main(conn: Connection, parent_pid: int) -> None:
     """Loop: receive (task id, fn, args), answer (task id, ok, result or exception)."""
     watch_parent(parent_pid)
+    # Requests never name server files: profiles come by value or by operator-given name.
+    from planner_service.fcp.cost_model import forbid_profile_files
+
+    forbid_profile_files()
     while True:
         try:
             message = conn.recv()
@@ -78,17 +106,32 @@ def worker_main(conn: Connection, parent_pid: int) -> None:
             conn.send((task_id, False, RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
+@dataclass(eq=False)
+class _Task:
+    id: int
+    future: asyncio.Future[Any]
+    fn: Callable[..., Any]
+    args: tuple
+    deadline: float
+    """Loop time after which the task is dropped (waiting) or its worker killed (running)."""
+    timer: asyncio.TimerHandle | None = None
+    worker: _Worker | None = None
+
+
+@dataclass(eq=False)
 class _Worker:
-    def __init__(self, process: multiprocessing.process.BaseProcess, conn: Connection) -> None:
-        self.process = process
-        self.conn = conn
-        self.task: tuple[int, asyncio.Future[Any]] | None = None
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    task: _Task | None = None
+    killed: bool = False
+    gone: bool = field(default=False)
 
 
 class WorkerPool:
     """``workers`` solver processes; ``submit`` returns a loop future. One event loop only.
 
-    Tasks wait in an unbounded deque here: the caller (Executor) bounds admission.
+    Tasks wait in a deque here: the caller (Executor) bounds admission. Cancel a task's
+    future to abandon it (its worker is killed if it already runs).
     """
 
     def __init__(self, workers: int) -> None:
@@ -97,11 +140,13 @@ class WorkerPool:
         self._ctx = pool_context()
         self._workers: list[_Worker] = []
         self._idle: deque[_Worker] = deque()
-        self._waiting: deque[tuple[int, asyncio.Future[Any], Callable[..., Any], tuple]] = \
-            deque()
+        self._waiting: deque[_Task] = deque()
+        self._tasks: dict[asyncio.Future[Any], _Task] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self.kills = 0
+        """Workers killed because their task expired or was abandoned."""
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -121,29 +166,104 @@ class WorkerPool:
         self._idle.append(worker)
         self._dispatch()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        """Run ``fn(*args)`` in a worker (both must pickle); raises RuntimeError if closed."""
+    # ---- tasks ------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., Any], *args: Any, timeout_s: float
+               ) -> asyncio.Future[Any]:
+        """Run ``fn(*args)`` in a worker (both must pickle) for at most ``timeout_s`` from
+        now, queueing included; the future then fails with TaskExpired. Raises
+        RuntimeError if the pool is closed."""
         if self._closing or self._loop is None:
             raise RuntimeError("the solver pool is not running")
         future: asyncio.Future[Any] = self._loop.create_future()
-        self._waiting.append((next(self._ids), future, fn, args))
+        task = _Task(next(self._ids), future, fn, args, self._loop.time() + timeout_s)
+        task.timer = self._loop.call_at(task.deadline, self._expire, task)
+        self._tasks[future] = task
+        future.add_done_callback(self._on_future_done)
+        self._waiting.append(task)
         self._dispatch()
         return future
 
+    def extend(self, future: asyncio.Future[Any], timeout_s: float) -> None:
+        """Let a task run until ``timeout_s`` from now if that is later than its deadline
+        (another caller with a later deadline joined it)."""
+        task = self._tasks.get(future)
+        assert self._loop is not None
+        if task is None or future.done():
+            return
+        deadline = self._loop.time() + timeout_s
+        if deadline > task.deadline:
+            task.deadline = deadline
+            if task.timer is not None:
+                task.timer.cancel()
+            task.timer = self._loop.call_at(deadline, self._expire, task)
+
+    def _expire(self, task: _Task) -> None:
+        if not task.future.done():
+            task.future.set_exception(TaskExpired(
+                "the solve did not finish within its deadline; its solver process was "
+                "stopped"))
+            task.future.exception()  # retrieved: the caller may be gone
+
+    def _on_future_done(self, future: asyncio.Future[Any]) -> None:
+        """Finished, expired or cancelled: forget the task; kill its worker if it runs."""
+        task = self._tasks.pop(future, None)
+        if task is None:
+            return
+        if task.timer is not None:
+            task.timer.cancel()
+        worker = task.worker
+        if worker is not None and worker.task is task and not self._closing:
+            why = ("its solve passed its deadline" if not future.cancelled()
+                   else "every caller of its solve went away")
+            assert self._loop is not None
+            self._loop.call_later(KILL_AFTER_S, self._kill_if_busy_with, worker, task, why)
+
+    def _kill_if_busy_with(self, worker: _Worker, task: _Task, why: str) -> None:
+        if worker.task is task and not worker.gone and not self._closing:
+            self._kill(worker, why)
+
+    def _kill(self, worker: _Worker, why: str) -> None:
+        """Stop a busy worker now; it is replaced as soon as it has exited."""
+        assert self._loop is not None
+        if worker.killed:
+            return
+        worker.killed = True
+        worker.task = None
+        self.kills += 1
+        log.warning("stopping solver process %s: %s", worker.process.pid, why)
+        try:
+            worker.process.kill()
+        except Exception:  # noqa: BLE001 - it may be gone already
+            pass
+        self._loop.call_later(KILL_CHECK_S, self._reap, worker)
+
+    def _reap(self, worker: _Worker) -> None:
+        if worker.gone or self._closing:
+            return
+        if worker.process.is_alive():
+            assert self._loop is not None
+            self._loop.call_later(KILL_CHECK_S, self._reap, worker)
+            return
+        self._on_death(worker)
+
     def _dispatch(self) -> None:
         while self._idle and self._waiting:
-            task_id, future, fn, args = self._waiting.popleft()
-            if future.cancelled():
+            task = self._waiting.popleft()
+            if task.future.done():
                 continue
             worker = self._idle.popleft()
-            worker.task = (task_id, future)
+            worker.task = task
+            task.worker = worker
             try:
-                worker.conn.send((task_id, fn, args))
+                worker.conn.send((task.id, task.fn, task.args))
             except Exception as exc:  # noqa: BLE001 - pickling error or a dead worker
                 worker.task = None
-                if not future.done():
-                    future.set_exception(exc if not isinstance(exc, OSError)
-                                         else WorkerDied(f"solver process unreachable: {exc}"))
+                task.worker = None
+                if not task.future.done():
+                    task.future.set_exception(
+                        exc if not isinstance(exc, OSError)
+                        else WorkerDied(f"solver process unreachable: {exc}"))
                 if worker.process.is_alive():
                     self._idle.append(worker)
 
@@ -153,59 +273,103 @@ class WorkerPool:
         except (EOFError, OSError):
             self._on_death(worker)
             return
+        if worker.killed:
+            return  # an answer that raced the kill: the process is going anyway
         task = worker.task
         worker.task = None
         self._idle.append(worker)
-        if task is not None and task[0] == task_id and not task[1].done():
+        if task is not None and task.id == task_id and not task.future.done():
+            task.worker = None
             if ok:
-                task[1].set_result(value)
+                task.future.set_result(value)
             else:
-                task[1].set_exception(value)
+                task.future.set_exception(value)
         self._dispatch()
 
     def _on_death(self, worker: _Worker) -> None:
         assert self._loop is not None
+        if worker.gone:
+            return
+        worker.gone = True
         self._loop.remove_reader(worker.conn.fileno())
         worker.conn.close()
         self._workers.remove(worker)
         if worker in self._idle:
             self._idle.remove(worker)
         code = worker.process.exitcode
-        if worker.task is not None and not worker.task[1].done():
-            worker.task[1].set_exception(WorkerDied(
+        task = worker.task
+        worker.task = None
+        if task is not None and not task.future.done():
+            task.future.set_exception(WorkerDied(
                 f"the solver process exited (code {code}) while planning this request"))
         if not self._closing:
-            log.error("solver process %s exited (code %s); starting another",
-                      worker.process.pid, code)
+            if not worker.killed:
+                log.error("solver process %s exited (code %s); starting another",
+                          worker.process.pid, code)
             self._spawn()
 
-    async def close(self, grace_s: float = 30.0) -> None:
-        """Let running and waiting tasks finish (up to ``grace_s``), then stop the workers;
-        tasks still running then fail with WorkerDied."""
+    # ---- health and shutdown ----------------------------------------------------------
+
+    def stuck(self) -> int:
+        """Workers busy past their task's deadline plus STUCK_AFTER_S, or killed and not
+        yet replaced for that long (0 in a healthy pool: expired tasks are killed)."""
         assert self._loop is not None
-        deadline = self._loop.time() + grace_s
-        while (self._waiting or any(w.task is not None for w in self._workers)) \
-                and self._loop.time() < deadline:
+        now = self._loop.time()
+        count = 0
+        for worker in self._workers:
+            if worker.task is not None and now > worker.task.deadline + STUCK_AFTER_S:
+                count += 1
+            elif worker.killed:
+                count += 1
+        return count
+
+    def healthy(self) -> bool:
+        """At least one worker can take a task within its deadline."""
+        return len(self._workers) - self.stuck() > 0
+
+    @property
+    def closing(self) -> bool:
+        """True once close() stopped taking tasks."""
+        return self._closing
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting) or any(w.task is not None for w in self._workers)
+
+    async def close(self, deadline: float) -> None:
+        """Let running and waiting tasks finish until loop time ``deadline``, then stop the
+        workers (killing those still busy); unfinished tasks fail with WorkerDied."""
+        assert self._loop is not None
+        while self.busy and self._loop.time() < deadline:
             await asyncio.sleep(0.01)
         self._closing = True
-        for _, future, _, _ in self._waiting:
-            if not future.done():
-                future.set_exception(WorkerDied("the service stopped before this solve ran"))
+        for task in list(self._waiting):
+            if not task.future.done():
+                task.future.set_exception(WorkerDied("the service stopped before this solve "
+                                                     "ran"))
         self._waiting.clear()
-        assert self._loop is not None
         for worker in list(self._workers):
             self._loop.remove_reader(worker.conn.fileno())
-            try:
-                worker.conn.send(None)
-            except OSError:
-                pass
+            if worker.task is None and not worker.killed:
+                try:
+                    worker.conn.send(None)
+                except OSError:
+                    pass
+            else:
+                worker.killed = True
+                worker.process.kill()
+        # Idle workers exit on the None message at once; give them a moment, together.
+        stop_by = self._loop.time() + 0.5
+        while any(w.process.is_alive() for w in self._workers) and self._loop.time() < stop_by:
+            await asyncio.sleep(0.01)
         for worker in self._workers:
-            await self._loop.run_in_executor(None, worker.process.join, 0.5 if
-                                             worker.task is not None else 5)
             if worker.process.is_alive():
                 worker.process.kill()
-            if worker.task is not None and not worker.task[1].done():
-                worker.task[1].set_exception(WorkerDied("the service stopped during this solve"))
+            if worker.task is not None and not worker.task.future.done():
+                worker.task.future.set_exception(WorkerDied("the service stopped during this "
+                                                            "solve"))
             worker.conn.close()
+        for worker in self._workers:
+            worker.process.join(0.1)
         self._workers.clear()
         self._idle.clear()

@@ -53,12 +53,49 @@ class Limits:
     max_tokens: int
     max_time_limit_s: float
     max_sequences: int
+    max_shards: int = 2**62
+    max_json_depth: int = 1000
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
         return cls(max_docs=settings.max_docs, max_cp_size=settings.max_cp_size,
                    max_tokens=settings.max_tokens, max_time_limit_s=settings.max_time_limit_s,
-                   max_sequences=settings.max_sequences)
+                   max_sequences=settings.max_sequences, max_shards=settings.max_shards,
+                   max_json_depth=settings.max_json_depth)
+
+
+_JSON_STRUCTURE = re.compile(rb'[\[\]{}"\\]')
+
+
+def check_json_depth(raw: bytes | str, limit: int, field: str = "body") -> None:
+    """Refuse JSON nested deeper than ``limit`` arrays/objects before any parser recurses
+    into it (Python's json raises RecursionError near 1,000 levels); raises FieldError.
+
+    Linear in the number of brackets and quotes (digits are skipped by the regex)."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    depth = escape_at = 0
+    in_string = escaped = False
+    for match in _JSON_STRUCTURE.finditer(data):
+        char = match.group()
+        if in_string:
+            if escaped:
+                escaped = False
+                if match.start() == escape_at + 1:
+                    continue
+            if char == b"\\":
+                escaped, escape_at = True, match.start()
+            elif char == b'"':
+                in_string = False
+            continue
+        if char == b'"':
+            in_string = True
+        elif char in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                raise FieldError(field, f"{field} nests arrays/objects deeper than {limit} "
+                                 "levels (PLANNER_MAX_JSON_DEPTH)")
+        elif char in (b"]", b"}"):
+            depth -= 1
 
 
 DocLength = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)]
@@ -100,7 +137,8 @@ class PlanRequestIn(BaseModel):
 class CompareRequestIn(PlanRequestIn):
     """A plan request answered by several strategies; ``strategy`` is ignored."""
 
-    strategies: list[StrictStr] | None = Field(None, max_length=64,
+    strategies: list[Annotated[StrictStr, Field(max_length=64)]] | None = Field(
+        None, max_length=64,
                                                description="Default: every strategy")
 
 
@@ -222,6 +260,7 @@ def to_plan_request(body: PlanRequestIn, limits: Limits, *, strategy: str | None
     if body.cp_size > limits.max_cp_size:
         raise FieldError("cp_size", f"cp_size must be in [1, {limits.max_cp_size}] "
                          f"(PLANNER_MAX_CP_SIZE), got {body.cp_size}")
+    check_shards(n, body.cp_size, limits, "cp_size")
     limit = body.options.get("time_limit_s")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
                               or not 0 < limit <= limits.max_time_limit_s):
@@ -239,6 +278,15 @@ def to_plan_request(body: PlanRequestIn, limits: Limits, *, strategy: str | None
         )
     except ValueError as exc:
         raise FieldError(field_of(str(exc)), str(exc)) from None
+
+
+def check_shards(docs: int, ranks: int, limits: Limits, field: str) -> None:
+    """Refuse a request whose plan could hold more than PLANNER_MAX_SHARDS shards (2 x
+    documents x ranks: per_doc cuts every document in 2 x ranks chunks); raises FieldError."""
+    if 2 * docs * ranks > limits.max_shards:
+        raise FieldError(field, f"2 x {docs} documents x {ranks} ranks = {2 * docs * ranks} "
+                         f"possible shards, above the limit {limits.max_shards} "
+                         "(PLANNER_MAX_SHARDS); send fewer documents or ranks")
 
 
 def check_strategy(request: PlanRequest) -> None:

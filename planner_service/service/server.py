@@ -1,8 +1,9 @@
 """``planner serve``: HTTP (uvicorn) and gRPC in one process and one event loop.
 
 SIGTERM/SIGINT: readiness turns false (``/readyz`` 503, gRPC health NOT_SERVING), both
-servers stop accepting and give in-flight requests PLANNER_SHUTDOWN_GRACE_S to finish,
-the solver pool drains, and the process exits 0.
+servers stop accepting and in-flight requests and the solver pool share one deadline,
+PLANNER_SHUTDOWN_GRACE_S after the signal; solver processes still busy then are killed, so
+the process exits 0 within the grace plus about a second whatever its solvers do.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import uvicorn
 
@@ -23,6 +26,13 @@ from planner_service.service.ops import PlannerService
 from planner_service.service.settings import Settings
 
 log = logging.getLogger("planner_service.service")
+STOP_SLACK_S = 2.0
+"""The contract: the process exits within PLANNER_SHUTDOWN_GRACE_S + this of SIGTERM
+(deploy manifests give the pod more; tests/test_deploy_manifests.py checks it)."""
+BACKSTOP_S = 0.5
+"""The HTTP and gRPC servers cancel what is left this long after the shared deadline."""
+HEALTH_POLL_S = 0.5
+"""How often gRPC health follows readiness (e.g. every solver stuck past a deadline)."""
 
 
 class _Uvicorn(uvicorn.Server):
@@ -50,7 +60,7 @@ async def serve(settings: Settings) -> int:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.http_port, log_level=settings.log_level,
         access_log=False, lifespan="on",
-        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+        timeout_graceful_shutdown=settings.shutdown_grace_s + BACKSTOP_S,  # type: ignore[arg-type]
         server_header=False, http=protocol_with_header_timeout(settings.header_timeout_s))
     http = _Uvicorn(config)
     grpc_server: GrpcServer | None = None
@@ -59,6 +69,7 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     http_task = asyncio.create_task(http.serve())
+    health: asyncio.Task[None] | None = None
     try:
         while not http.started:
             if http_task.done():  # e.g. the port is taken
@@ -79,18 +90,41 @@ async def serve(settings: Settings) -> int:
         # One parseable line: tests and `make run` read the ports from it.
         print(f"planner serving: {url} (web page; API docs at {url}docs), {grpc_text}",
               flush=True)
+        if grpc_server is not None:
+            health = asyncio.create_task(_follow_readiness(service, grpc_server, stop))
         await stop.wait()
     finally:
+        deadline = loop.time() + settings.shutdown_grace_s
         log.info("shutting down: readiness false, draining in-flight requests")
         service.ready = False
         http.should_exit = True
-        stops = [http_task]
+        # The solver pool drains to the shared deadline and then kills busy solvers, which
+        # fails their requests (503 / UNAVAILABLE): both servers then finish before their
+        # own, slightly later, backstops cancel anything.
+        stops = [http_task, asyncio.ensure_future(service.close(deadline))]
         if grpc_server is not None:
-            stops.append(asyncio.ensure_future(grpc_server.stop(settings.shutdown_grace_s)))
+            stops.append(asyncio.ensure_future(grpc_server.stop(
+                settings.shutdown_grace_s + BACKSTOP_S)))
         await asyncio.gather(*stops, return_exceptions=True)
-        await service.close()
+    if health is not None:
+        await health
     log.info("stopped")
     return 0
+
+
+async def _follow_readiness(service: PlannerService, grpc_server: GrpcServer,
+                            stop: asyncio.Event) -> None:
+    """Keep gRPC health in step with readiness until shutdown starts."""
+    serving = True
+    while not stop.is_set():
+        now = service.is_ready
+        if now != serving:
+            serving = now
+            await grpc_server.set_serving(now)
+        try:
+            await asyncio.wait_for(stop.wait(), HEALTH_POLL_S)
+        except TimeoutError:
+            pass
 
 
 async def _warm_up(settings: Settings, http_port: int, grpc_port: int | None) -> None:
@@ -124,9 +158,19 @@ async def _warm_up(settings: Settings, http_port: int, grpc_port: int | None) ->
         log.warning("warm-up request failed: %s", exc)
 
 
-def run(settings: Settings) -> int:
-    """Blocking entry point of ``planner serve``."""
+def run(settings: Settings) -> NoReturn:
+    """Blocking entry point of ``planner serve``; ends the process with the exit code.
+
+    After a graceful stop nothing is left to clean up (sockets closed, solver processes
+    gone, logs flushed), so the process ends at once: interpreter finalisation of the
+    server's heap (numpy, OR-Tools, grpc) takes seconds of CPU on a busy machine, which
+    would overrun the stop budget (PLANNER_SHUTDOWN_GRACE_S + 2 s) after the work is done.
+    """
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the warm-up's own requests
-    return asyncio.run(serve(settings))
+    code = asyncio.run(serve(settings))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

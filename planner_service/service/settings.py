@@ -74,6 +74,24 @@ class Settings(BaseSettings):
     """Bound on the plan bytes the job store holds; oldest finished batches go first."""
     cache_size: int = Field(4096, ge=0, le=10_000_000)
     """Plans kept in the content-hash cache (0 disables it)."""
+    cache_mb: float = Field(256.0, gt=0, le=1_000_000)
+    """Bound on the plan bytes the cache holds; a plan larger than this is not cached."""
+    max_shards: int = Field(2**22, ge=1, le=2**40)
+    """Bound on 2 x documents x cp_size of one request (the most shards any strategy may
+    make: per_doc splits every document in 2 x cp_size chunks); refused up front above it."""
+    max_plan_bytes: int = Field(64 * 2**20, ge=1024, le=2**34)
+    """A plan whose JSON is larger than this is refused (422) instead of sent."""
+    max_jobs_per_client: int = Field(64, ge=1, le=1_000_000)
+    """Jobs one client (one peer address) may hold at once; beyond it that client's least
+    recently used job is evicted, never another client's."""
+    max_stream_pending: int = Field(32, ge=1, le=100_000)
+    """Unanswered messages of one StreamPlans call; the server stops reading the stream
+    (HTTP/2 back-pressure on the sender) until replies catch up."""
+    max_json_depth: int = Field(32, ge=2, le=1000)
+    """Deepest nesting of arrays and objects accepted in a JSON body or JSON field."""
+    fcp_profiles: tuple[str, ...] = ()
+    """Files of fitted FCP profiles (JSON list of paths) the operator offers by name: read
+    once at start; requests name them (options.profile) but never send paths."""
     shutdown_grace_s: float = Field(10.0, ge=0, le=3600)
     """On SIGTERM: readiness turns false, then in-flight requests get this long to finish."""
     log_level: str = "info"

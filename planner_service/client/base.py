@@ -1,0 +1,66 @@
+"""What every back end of the client shares: the result types, the error, the protocol.
+
+A module of its own so that the back ends (backends.py, grpc_backend.py) and the local
+planner (local.py) import it, and not one another: no import circle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+
+class ServiceResult(NamedTuple):
+    plan_json: str
+    """Canonical JSON of the plan (Plan.to_json())."""
+    plan_id: str
+    solve_ms: float
+    cached: bool
+
+
+class Comparison(NamedTuple):
+    results: list[tuple[str, ServiceResult]]
+    """(strategy, result) in the order asked for."""
+    errors: dict[str, str]
+
+
+class ServiceError(ValueError):
+    """The service answered an error or could not be reached.
+
+    ``code`` is the HTTP status (as text), the gRPC status name, or ``unavailable`` when
+    no answer came; ``field`` names the offending request field for invalid input.
+    """
+
+    def __init__(self, code: str, message: str, *, field: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.field = field
+        self.retry_after_s = retry_after_s
+
+    @property
+    def invalid_input(self) -> bool:
+        return self.code in ("422", "INVALID_ARGUMENT")
+
+
+class Backend(Protocol):
+    """What PlanClient needs from a planner (all methods are blocking and thread-safe)."""
+
+    name: str
+
+    def warm(self) -> None: ...
+
+    def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
+             ) -> ServiceResult: ...
+
+    def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
+                timeout_s: float) -> Comparison: ...
+
+    def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
+               fallbacks: int = 0) -> None: ...
+
+    def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
+              ) -> ServiceResult | None: ...
+
+    def close(self) -> None: ...

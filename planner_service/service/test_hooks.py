@@ -1,0 +1,48 @@
+"""Test-only hooks, off unless ``PLANNER_TEST_HOOKS=1`` is in the server's environment.
+
+With the variable set, :func:`install` registers the strategy ``test_hang``: it sleeps for
+``options.seconds`` (default an hour) and then plans like ``ring``. It is a solver that
+is guaranteed slow, so the tests of deadlines, cancellation, readiness and shutdown do not
+depend on any real solver staying slow on some input. Never set the variable in production.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from planner_service.core.build import Layout
+from planner_service.core.request import PlanRequest
+
+ENV = "PLANNER_TEST_HOOKS"
+HANG = "test_hang"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "") == "1"
+
+
+def hang_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+    """Sleep ``options.seconds`` (a solver that ignores every deadline), then plan as ring."""
+    from planner_service.solvers.baselines import ring_layout
+
+    seconds = request.options.get("seconds", 3600.0)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+        raise ValueError(f"options.seconds must be a number >= 0, got {seconds!r}")
+    end = time.monotonic() + float(seconds)
+    while time.monotonic() < end:
+        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    return ring_layout(doc_lengths, request)
+
+
+def install() -> None:
+    """Register the test strategies in this process if the hooks are enabled (idempotent)."""
+    if not enabled():
+        return
+    from planner_service.solvers.registry import STRATEGIES, Strategy, register
+
+    if HANG not in STRATEGIES:
+        register(Strategy(name=HANG, description="test hook: sleeps options.seconds, then ring",
+                          solver=hang_layout, comm_mode="p2p_ring",
+                          options={"seconds": "how long to sleep (default 3600)"}))
