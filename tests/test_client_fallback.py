@@ -283,12 +283,3 @@ def test_fallbacks_of_separate_clients_agree_byte_for_byte():
         with PlanClient(DEAD_URL, cp_size=64) as client:
             plans.append(client.get(7, timeout=0.5, doc_lengths=lengths).plan_json)
     assert plans[0] == plans[1]
-
-
-def test_client_modules_import_no_circle():
-    grimp = pytest.importorskip("grimp")
-    graph = grimp.build_graph("planner_service")
-    modules = sorted(m for m in graph.modules if m.startswith("planner_service.client"))
-    circles = [(a, b) for i, a in enumerate(modules) for b in modules[i + 1:]
-               if graph.find_shortest_chain(a, b) and graph.find_shortest_chain(b, a)]
-    assert not circles, circles
