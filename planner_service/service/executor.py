@@ -238,6 +238,11 @@ class Executor:
         """Run a picklable ``fn(*args)`` on the pool (no cache); returns (result, ms)."""
         return await wait_for(self._run(call_in_worker, fn, *args), self.timeout_for(timeout_s))
 
+    def start_call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[tuple[Any, float]]:
+        """Admit and start a picklable ``fn(*args)`` on the pool now (no cache, no
+        deadline); the future gives (result, ms). Raises Overloaded at once when full."""
+        return self._run(call_in_worker, fn, *args)
+
 
 async def wait_for(future: asyncio.Future[Any], timeout_s: float) -> Any:
     """Await a shared future up to ``timeout_s`` without cancelling it for other waiters."""

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from planner_service.core.validate import PlanError
 from planner_service.proto_build import load
-from planner_service.service import grpc_wire
+from planner_service.service import global_jobs, grpc_wire
 from planner_service.service.executor import DeadlineExceeded, Overloaded
 from planner_service.service.jobs import Conflict, NotFound
 from planner_service.service.ops import NotImplementedYet, PlannerService
@@ -263,6 +263,7 @@ async def start_grpc(service: PlannerService, host: str, port: int) -> GrpcServe
                  ("grpc.max_send_message_length", max(limit, 64 * 2**20)),
                  ("grpc.so_reuseport", 0)])
     stubs.pb2_grpc.add_PlannerServicer_to_server(PlannerServicer(service, stubs.pb2), server)
+    global_jobs.add_servicer(server, service, stubs, status_of, HTTP_EQUIVALENT)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (stubs.pb2.DESCRIPTOR.services_by_name["Planner"].full_name,

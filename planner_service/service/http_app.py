@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from planner_service.core.plan import canonical_json
 from planner_service.core.validate import PlanError
+from planner_service.service import global_jobs
 from planner_service.service.executor import DeadlineExceeded, Overloaded, SolveResult
 from planner_service.service.jobs import BatchEntry, Conflict, NotFound
 from planner_service.service.middleware import AuthAndLimits
@@ -179,6 +180,7 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
     async def index() -> FileResponse:
         return FileResponse(WEB_DIR / "index.html", media_type="text/html")
 
+    global_jobs.add_routes(app, svc)
     app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
     _document_bodies(app, (PlanRequestIn, CompareRequestIn, ScheduleRequestIn))
     return app

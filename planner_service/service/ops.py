@@ -144,6 +144,17 @@ class PlannerService:
             raise NotImplementedYet(
                 "FCP scheduling is not available in this build: planner_service.fcp.schedule "
                 "is not installed (FCP issue); use /v1/plan per sequence meanwhile")
+        payload = self.schedule_payload(body)
+        try:
+            text, ms = await self.executor.call(fcp_bridge.schedule_in_worker, payload,
+                                                timeout_s=timeout_s)
+        except ValueError as exc:
+            raise FieldError(field_of(str(exc)), str(exc)) from None
+        return text, ms
+
+    def schedule_payload(self, body: ScheduleRequestIn) -> dict[str, Any]:
+        """The scheduler's input for a /v1/schedule body within this service's limits;
+        raises FieldError (also used by the job API for global batches)."""
         if len(body.sequences) > self.limits.max_sequences:
             raise FieldError("sequences", f"sequences has {len(body.sequences)} entries, above "
                              f"the limit {self.limits.max_sequences} (PLANNER_MAX_SEQUENCES)")
@@ -164,12 +175,7 @@ class PlannerService:
                 str(payload.get("profile", "")).startswith("file:"):
             raise FieldError("profile", "profile must be the name of a built-in FCP profile "
                              "(file: paths are not accepted over the network)")
-        try:
-            text, ms = await self.executor.call(fcp_bridge.schedule_in_worker, payload,
-                                                timeout_s=timeout_s)
-        except ValueError as exc:
-            raise FieldError(field_of(str(exc)), str(exc)) from None
-        return text, ms
+        return payload
 
     # ---- jobs -------------------------------------------------------------------------
 
