@@ -99,9 +99,10 @@ def tiny_llama(args: argparse.Namespace, attn: str, dtype: torch.dtype) -> Any:
     config = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq_len,
-        attn_implementation=attn)
-    return LlamaForCausalLM(config).to(dtype)
+        num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq_len)
+    model = LlamaForCausalLM(config)
+    model.set_attn_implementation(attn)
+    return model.bfloat16() if dtype == torch.bfloat16 else model.float()
 
 
 def model_spec(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, int]:
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if world > 1:
             dist.all_reduce(loss)
             loss /= replicas
-        record = {
+        record: dict[str, Any] = {
             "step": step, "rank": rank, "replica": replica, "loss": float(loss),
             "step_ms": (time.perf_counter() - start) * 1e3, "plan_wait_ms": wait_ms,
             "fallback": got.fallback, "reason": got.reason, "source": got.source,

@@ -16,27 +16,30 @@ source is the only rank and nothing is broadcast.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
+from planner_service.client.global_batch import GlobalSchedule
 from planner_service.client.prefetch import ClientPlan
 from planner_service.core.plan import Plan
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 class AgreementError(RuntimeError):
     """The source rank could not produce a plan; raised on every rank with its message."""
 
 
-class PlanSource(Protocol):
-    """What the source rank plans with (PlanClient has these methods)."""
+class PlanSource(Protocol[T_co]):
+    """What the source rank plans with: PlanClient (one sequence per batch) or
+    ScheduleClient (global batches, ``doc_lengths`` being its list of sequences)."""
 
-    def prefetch(self, batch_id: Any, doc_lengths: Sequence[int], **overrides: Any) -> None: ...
+    def prefetch(self, batch_id: Any, doc_lengths: Any, /) -> None: ...
 
-    def get(self, batch_id: Any, timeout: float | None = None,
-            doc_lengths: Sequence[int] | None = None) -> ClientPlan: ...
+    def get(self, batch_id: Any, timeout: float | None = None, doc_lengths: Any = None, /
+            ) -> T_co: ...
 
 
 def group_rank(group: Any = None) -> int:
@@ -95,7 +98,7 @@ def _decode_plan(body: tuple[str, str, bool, str | None, float]) -> ClientPlan:
     return ClientPlan(Plan.from_json(plan_json), plan_json, source, fallback, reason, solve_ms)
 
 
-class PlanAgreement:
+class PlanAgreement(Generic[T]):
     """One-batch-ahead planning for a group of ranks that must all run the same plan.
 
     ``client`` plans on the source rank (a PlanClient, any back end); other ranks may
@@ -104,16 +107,21 @@ class PlanAgreement:
     background thread the source waits for its client's plan (at most the client's
     timeout, then its local fallback) and broadcasts it, while the step trains; ``get``
     then usually finds the plan agreed already. It returns the same ClientPlan (plan,
-    source, fallback flag, reason) on every rank.
+    source, fallback flag, reason) on every rank. ``encode``/``decode`` turn the client's
+    answer into the broadcast payload and back (see ``schedule_agreement`` for FCP).
 
     The broadcasts run on that one thread in call order, so ``group`` must be a group no
     other thread uses at the same time: a gloo group of its own (``dist.new_group(ranks,
     backend="gloo")``), which also keeps them off an NCCL training stream.
     """
 
-    def __init__(self, client: PlanSource | None, *, group: Any = None, src: int = 0,
-                 timeout: float | None = None) -> None:
+    def __init__(self, client: PlanSource[T] | None, *, group: Any = None, src: int = 0,
+                 timeout: float | None = None,
+                 encode: Callable[[T], Any] = _encode_plan,  # type: ignore[assignment]
+                 decode: Callable[[Any], T] = _decode_plan,  # type: ignore[assignment]
+                 ) -> None:
         self.client = client
+        self.encode, self.decode = encode, decode
         self.group = group
         self.src = src
         self.timeout = timeout
@@ -121,10 +129,10 @@ class PlanAgreement:
         if self.is_src and client is None:
             raise ValueError(f"PlanAgreement: rank {src} (src) needs a client")
         self._worker = ThreadPoolExecutor(1, "plan-agreement")
-        self._pending: dict[str, Future[ClientPlan]] = {}
+        self._pending: dict[str, Future[T]] = {}
 
-    def prefetch(self, batch_id: Any, doc_lengths: Sequence[int], *,
-                 timeout: float | None = None, **overrides: Any) -> None:
+    def prefetch(self, batch_id: Any, doc_lengths: Any, *, timeout: float | None = None
+                 ) -> None:
         """Start planning and agreeing on a batch in the background; returns at once.
         ``timeout``: how long the source waits for the service before its fallback
         (default: the agreement's, else the client's). Only the source uses
@@ -134,12 +142,12 @@ class PlanAgreement:
             return
         if self.is_src:
             assert self.client is not None
-            self.client.prefetch(batch_id, doc_lengths, **overrides)
+            self.client.prefetch(batch_id, doc_lengths)
         wait = self.timeout if timeout is None else timeout
         self._pending[key] = self._worker.submit(self._agree, batch_id, wait, None)
 
     def get(self, batch_id: Any, timeout: float | None = None,
-            doc_lengths: Sequence[int] | None = None) -> ClientPlan:
+            doc_lengths: Any = None) -> T:
         """The batch's plan on every rank (the source's service plan or its fallback).
 
         A batch not prefetched is planned now (``timeout`` and ``doc_lengths`` apply to
@@ -154,13 +162,24 @@ class PlanAgreement:
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=False)
 
-    def _agree(self, batch_id: Any, timeout: float | None,
-               doc_lengths: Sequence[int] | None) -> ClientPlan:
+    def _agree(self, batch_id: Any, timeout: float | None, doc_lengths: Any) -> T:
         client = self.client
 
-        def produce() -> ClientPlan:
+        def produce() -> T:
             assert client is not None
             return client.get(batch_id, timeout, doc_lengths)
 
-        return agree_on(produce if self.is_src else None, encode=_encode_plan,
-                        decode=_decode_plan, group=self.group, src=self.src)
+        return agree_on(produce if self.is_src else None, encode=self.encode,
+                        decode=self.decode, group=self.group, src=self.src)
+
+
+def _decode_schedule(body: tuple[Any, ...]) -> GlobalSchedule:
+    return GlobalSchedule(*body)
+
+
+def schedule_agreement(client: PlanSource[GlobalSchedule] | None, *, group: Any = None,
+                       src: int = 0, timeout: float | None = None
+                       ) -> PlanAgreement[GlobalSchedule]:
+    """PlanAgreement for FCP schedules of global batches (ScheduleClient on ``src``)."""
+    return PlanAgreement(client, group=group, src=src, timeout=timeout, encode=tuple,
+                         decode=_decode_schedule)
