@@ -11,7 +11,8 @@ schedule of batch k+1 is made while batch k trains (``ScheduleClient``, embedded
 running ``planner serve``), fetched on rank 0 and broadcast (``schedule_agreement``), so
 every rank runs the same schedule, the service's or the identical local fallback.
 
-Each rank runs the micro-batches in order: forward and backward of its group's shards
+Runs on CPU (gloo) and on GPUs (NCCL, flash-attn in bf16) like train_llama.py. Each
+rank runs the micro-batches in order: forward and backward of its group's shards
 (a rank in no group of a micro-batch skips it), gradients summed over the world, one
 AdamW step per global batch. ``--log-dir`` gets every rank's steps as JSON lines.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_llama import (  # noqa: E402 - the sibling example's building blocks
     START_TIMEOUT_S,
     all_reduce_grads,
+    init_distributed,
     model_spec,
     p99,
     reference_logits,
@@ -78,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--check-reference", action="store_true",
                    help="compare step 0's first micro-batch with one process")
@@ -98,12 +100,9 @@ def micro_batch_ids(args: argparse.Namespace, step: int, seq_ids: list[int],
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torch.set_num_threads(args.threads)
-    if world > 1:
-        dist.init_process_group("gloo")
+    rank, world, device = init_distributed(args)
     memory = args.memory_tokens or -(-args.max_seq_len // min(2, world))
-    dtype = torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     side = dist.new_group(backend="gloo") if world > 1 else None
     batches = [pack_sequences_variable(make_source(args.dataset), max_tokens=args.max_seq_len,
                                        num_sequences=args.batch_size, seed=args.seed + step)
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         timeout_s=args.plan_timeout) if rank == 0 else None
     planner = schedule_agreement(client, group=side)
     planner.prefetch(0, batches[0], timeout=max(START_TIMEOUT_S, args.plan_timeout))
-    model = enable_cp_attention(tiny_llama(args, "sdpa", dtype))
+    model = enable_cp_attention(tiny_llama(args, "sdpa", dtype)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     log_file = None
     if args.log_dir is not None:
@@ -132,21 +131,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         schedule = got.schedule
         plans = got.plans()
         counter = CommCounter()
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=device)
         record: dict[str, Any] = {"step": step, "rank": rank}
         for m, (mb, plan) in enumerate(zip(schedule["micro_batches"], plans, strict=True)):
             attn = ContextParallelAttention(plan, agreed=True, counter=counter,
                                             verify="first" if step == 0 else "never")
-            ids = micro_batch_ids(args, step, mb["sequence_ids"], batches[step])
+            ids = micro_batch_ids(args, step, mb["sequence_ids"], batches[step]).to(device)
             if attn.layout.group_index < 0:
                 continue  # this rank is in no CP group of this micro-batch
             with use_cp_attention(attn):
                 out = model(**prepare_batch(attn, ids))
             # Local losses sum to the micro-batch's mean loss; average the micro-batches.
             (out.loss / len(plans)).backward()
-            loss_sum += out.loss.detach() / len(plans)
+            loss_sum += out.loss.detach().float() / len(plans)
             if step == 0 and m == 0 and args.check_reference:
-                record.update(check_reference(args, attn, plan, out.logits, ids, world))
+                record.update(check_reference(args, attn, plan, out.logits, ids, dtype))
         if world > 1:
             for p in model.parameters():  # a rank that skipped every micro-batch
                 if p.grad is None:
@@ -195,15 +194,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def check_reference(args: argparse.Namespace, attn: ContextParallelAttention, plan: Plan,
-                    logits: torch.Tensor, ids: torch.Tensor, world: int) -> dict[str, float]:
+                    logits: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype
+                    ) -> dict[str, float]:
     """Max |logits - one-process logits| over this rank's group's real tokens.
 
     Collective over the rank's CP group (the gather); every group compares its own docs.
     """
     full = attn.undispatch(logits[0].detach().float(), gather=True)
-    want, _ = reference_logits(args, torch.float32, torch.device("cpu"), ids,
-                               list(plan.doc_lengths))
-    mine = torch.zeros(len(ids), dtype=torch.bool)
+    want, _ = reference_logits(args, dtype, ids.device, ids, list(plan.doc_lengths))
+    mine = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
     group = plan.groups[attn.layout.group_index]
     for doc in group.docs:
         begin = sum(plan.doc_lengths[:doc])

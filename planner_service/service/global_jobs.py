@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import grpc
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from planner_service.service import fcp_bridge
 from planner_service.service.executor import SolveResult
@@ -30,6 +31,7 @@ from planner_service.service.jobs import BatchEntry, JobStore
 from planner_service.service.ops import NotImplementedYet, PlannerService
 from planner_service.service.schedule_wire import ScheduleJson, request_hash, schedule_payload
 from planner_service.service.schemas import (
+    ErrorOut,
     FieldError,
     ScheduleRequestIn,
     field_of,
@@ -37,6 +39,22 @@ from planner_service.service.schemas import (
 )
 
 STRATEGY_LABEL = "fcp"
+JSON = "application/json"
+ERROR_CODES = (404, 409, 413, 422, 429, 501, 503, 504)
+
+
+class GlobalBatchStatusOut(BaseModel):
+    job: str
+    batch: str
+    status: Literal["pending", "done", "failed"]
+    request_hash: str
+    schedule_id: str | None = None
+
+
+RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorOut} for code in ERROR_CODES}
+SCHEDULE_BODY = {"requestBody": {"required": True, "content": {JSON: {"schema": {
+    "$ref": f"#/components/schemas/{ScheduleRequestIn.__name__}"}}}}}
+"""The body is parsed by hand (see http_app.parse_body); http_app documents the model."""
 
 
 class GlobalJobs:
@@ -127,6 +145,8 @@ def add_routes(app: FastAPI, svc: PlannerService) -> None:
     jobs = global_jobs(svc)
 
     @app.put("/v1/jobs/{job}/global-batches/{batch}", status_code=202, tags=["jobs"],
+             response_model=GlobalBatchStatusOut, responses=RESPONSES,
+             openapi_extra=SCHEDULE_BODY,
              summary="Submit a global batch for FCP scheduling; returns at once (idempotent)")
     async def submit_global(job: str, batch: str, request: Request) -> JSONResponse:
         body = _parse(await request.body(), svc)
@@ -135,14 +155,16 @@ def add_routes(app: FastAPI, svc: PlannerService) -> None:
         return JSONResponse(status_dict(entry), status_code=200 if entry.status == "done" else 202)
 
     @app.get("/v1/jobs/{job}/global-batches/{batch}", tags=["jobs"],
-             summary="The global batch's schedule, long-polling up to wait_ms")
+             responses={**RESPONSES, 202: {"model": GlobalBatchStatusOut,
+                                           "description": "still pending"}},
+             summary="The global batch's FCP schedule, long-polling up to wait_ms")
     async def fetch_global(job: str, batch: str,
                            wait_ms: Annotated[int, Query(ge=0, le=3_600_000)] = 0) -> Response:
         entry = await jobs.fetch(job, batch, wait_ms)
         if entry.status == "pending":
             return JSONResponse(status_dict(entry), status_code=202)
         result = entry.future.result()  # re-raises a failed schedule's error
-        return Response(result.plan_json, media_type="application/json", headers={
+        return Response(result.plan_json, media_type=JSON, headers={
             "Server-Timing": f"solve;dur={result.solve_ms:.3f}",
             "X-Schedule-Id": result.plan_id})
 
