@@ -128,3 +128,15 @@ def test_without_torch_distributed_the_source_plans_alone():
     assert agree_on(lambda: 7, encode=str, decode=int) == 7
     with pytest.raises(ValueError, match="source rank must pass produce"):
         agree_on(None, encode=str, decode=int)
+
+
+def test_agreed_runtime_skips_the_all_gather_but_still_refuses_a_plan_it_cannot_run():
+    from planner_service.core.request import PlanRequest
+    from planner_service.solvers.registry import solve
+    from worker_runtime import CollectiveCheckError, ContextParallelAttention
+
+    plan = solve(PlanRequest(doc_lengths=(30, 10), cp_size=2, strategy="flashcp"))
+    with pytest.raises(CollectiveCheckError, match="cp_size is 2 but the process group has 1"):
+        ContextParallelAttention(plan, agreed=True)
+    one = solve(PlanRequest(doc_lengths=(30, 10), cp_size=1, strategy="flashcp"))
+    assert ContextParallelAttention(one, agreed=True).num_tokens == 40
