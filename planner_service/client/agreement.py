@@ -25,6 +25,8 @@ from planner_service.client.prefetch import ClientPlan
 from planner_service.core.plan import Plan
 
 T = TypeVar("T")
+MIN_GET_TIMEOUT_S = 0.001
+"""After the service's budget: take its plan if in, else the fallback without waiting."""
 T_co = TypeVar("T_co", covariant=True)
 
 
@@ -40,6 +42,11 @@ class PlanSource(Protocol[T_co]):
 
     def get(self, batch_id: Any, timeout: float | None = None, doc_lengths: Any = None, /
             ) -> T_co: ...
+
+    def wait(self, batch_id: Any, timeout: float, /) -> bool: ...
+
+    @property
+    def timeout_s(self) -> float: ...
 
 
 def group_rank(group: Any = None) -> int:
@@ -134,17 +141,19 @@ class PlanAgreement(Generic[T]):
     def prefetch(self, batch_id: Any, doc_lengths: Any, *, timeout: float | None = None
                  ) -> None:
         """Start planning and agreeing on a batch in the background; returns at once.
-        ``timeout``: how long the source waits for the service before its fallback
-        (default: the agreement's, else the client's). Only the source uses
-        ``doc_lengths``."""
+        ``timeout``: how long after this call the source waits for the service before
+        its fallback (default: the agreement's, else the client's ``timeout_s``). Only the
+        source uses ``doc_lengths``."""
         key = str(batch_id)
         if key in self._pending:
             return
+        budget = None
         if self.is_src:
             assert self.client is not None
             self.client.prefetch(batch_id, doc_lengths)
-        wait = self.timeout if timeout is None else timeout
-        self._pending[key] = self._worker.submit(self._agree, batch_id, wait, None)
+            budget = timeout if timeout is not None else self.timeout
+            budget = self.client.timeout_s if budget is None else budget
+        self._pending[key] = self._worker.submit(self._agree, batch_id, None, budget)
 
     def get(self, batch_id: Any, timeout: float | None = None,
             doc_lengths: Any = None) -> T:
@@ -156,18 +165,27 @@ class PlanAgreement(Generic[T]):
         """
         future = self._pending.pop(str(batch_id), None)
         if future is None:
-            future = self._worker.submit(self._agree, batch_id, timeout, doc_lengths)
+            future = self._worker.submit(self._agree, batch_id, doc_lengths, None,
+                                         timeout)
         return future.result()
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=False)
 
-    def _agree(self, batch_id: Any, timeout: float | None, doc_lengths: Any) -> T:
+    def _agree(self, batch_id: Any, doc_lengths: Any, budget: float | None,
+               timeout: float | None = None) -> T:
+        """Prefetched (``budget`` set on the source): give the service its whole budget,
+        then take its answer or, at once, the fallback. The wait does not consume the
+        batch, so a service back after an outage is seen (a client that already holds a
+        fallback would otherwise return it at once and never hear the answer)."""
         client = self.client
 
         def produce() -> T:
             assert client is not None
-            return client.get(batch_id, timeout, doc_lengths)
+            if budget is None:
+                return client.get(batch_id, timeout, doc_lengths)
+            client.wait(batch_id, budget)
+            return client.get(batch_id, MIN_GET_TIMEOUT_S, doc_lengths)
 
         return agree_on(produce if self.is_src else None, encode=self.encode,
                         decode=self.decode, group=self.group, src=self.src)

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from functools import cached_property
 from typing import Any, NamedTuple, Protocol
 
@@ -321,6 +322,15 @@ class ScheduleClient:
                 log.info("planner service answers again: using its schedules")
                 self._degraded = self._warned = False
         return result
+
+    def wait(self, batch_id: Any, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the service's answer to a prefetched batch
+        (schedule or failure) without consuming it; True if its schedule is in."""
+        batch = self._batches.get(str(batch_id))
+        if batch is None or batch.service is None:
+            return False
+        done, _ = wait_futures([batch.service], timeout)
+        return bool(done) and batch.service.exception() is None
 
     @property
     def stats(self) -> dict[str, Any]:
