@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from planner_service.service import fcp_bridge
 from planner_service.service.executor import SolveResult
 from planner_service.service.jobs import BatchEntry, JobStore
+from planner_service.service.metrics import ServiceMetrics
 from planner_service.service.ops import NotImplementedYet, PlannerService
 from planner_service.service.schedule_wire import ScheduleJson, request_hash, schedule_payload
 from planner_service.service.schemas import (
@@ -63,10 +64,13 @@ class GlobalJobs:
     def __init__(self, svc: PlannerService) -> None:
         s = svc.settings
         self.svc = svc
+        # Its own metrics object: the exported planner_jobs / planner_job_batches gauges
+        # and eviction counts stay those of the single-plan store (a shared one would
+        # have both stores overwrite the gauges). Requests are counted as usual.
         self.store = JobStore(
             ttl_s=s.job_ttl_s, max_jobs=s.max_jobs, max_batches_per_job=s.max_batches_per_job,
             memory_bytes=int(s.job_memory_mb * 2**20), deadline_s=s.request_timeout_s,
-            metrics=svc.metrics)
+            metrics=ServiceMetrics())
 
     def submit(self, job: str, batch: str, body: ScheduleRequestIn) -> tuple[BatchEntry, bool]:
         """Start scheduling a global batch; returns (entry, created). Raises FieldError,
