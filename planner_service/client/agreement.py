@@ -25,9 +25,9 @@ from planner_service.client.prefetch import ClientPlan
 from planner_service.core.plan import Plan
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 MIN_GET_TIMEOUT_S = 0.001
 """After the service's budget: take its plan if in, else the fallback without waiting."""
-T_co = TypeVar("T_co", covariant=True)
 
 
 class AgreementError(RuntimeError):
