@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from functools import cached_property
 from typing import Any, NamedTuple, Protocol
 
 import httpx
@@ -250,6 +249,7 @@ class ScheduleClient:
         self.request_timeout_s = request_timeout_s
         self.prefetch_timeout_s = prefetch_timeout_s
         self.max_batches = max_batches
+        self.transport = make_transport(url, token)  # connects lazily, on the first call
         self._lock = threading.Lock()
         self._batches: OrderedDict[str, _Batch] = OrderedDict()
         self._network = ThreadPoolExecutor(2, "schedule-client-net")
@@ -259,10 +259,6 @@ class ScheduleClient:
         self._warned = False
         self._service_schedules = 0
         self._fallbacks: dict[str, int] = {}
-
-    @cached_property
-    def transport(self) -> Transport:
-        return make_transport(self.url, self.token)
 
     def request(self, sequences: Sequence[Sequence[int]], **overrides: Any) -> dict[str, Any]:
         """The JSON request (``POST /v1/schedule`` body) this client sends."""
@@ -346,8 +342,7 @@ class ScheduleClient:
             self._batches.clear()
         self._network.shutdown(wait=False, cancel_futures=True)
         self._local.shutdown(wait=False, cancel_futures=True)
-        if "transport" in self.__dict__:
-            self.transport.close()
+        self.transport.close()
 
     def __enter__(self) -> ScheduleClient:
         return self
