@@ -228,12 +228,6 @@ SCHEDULE = {"sequences": [[30000, 2000], [512, 700, 9000], [4096]], "num_ranks":
             "memory_tokens": 16384}
 
 
-def test_schedule_answers_501_without_fcp(client, monkeypatch):
-    monkeypatch.setattr("planner_service.service.fcp_bridge.load_schedule", lambda: None)
-    r = client.post("/v1/schedule", json=SCHEDULE)
-    assert r.status_code == 501 and "FCP" in r.json()["detail"]
-
-
 @pytest.mark.parametrize("change,field", [
     ({"sequences": [[]]}, "sequences.0"),
     ({"sequences": [[5, -1]]}, "sequences.0.1"),

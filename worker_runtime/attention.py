@@ -57,7 +57,9 @@ class ContextParallelAttention:
     copy of the plan): the ranks agree on the plan_id, then the process groups of a
     multi-group plan are created (cached, same order everywhere). Raises
     CollectiveCheckError on every rank if plan_ids differ or a rank cannot run the plan,
-    ValueError for a bad ``comm_mode``, ``kernel`` or ``verify``.
+    ValueError for a bad ``comm_mode``, ``kernel`` or ``verify``. ``agreed=True`` skips the
+    plan_id all-gather for a plan every rank already holds (planner_service.client.agreement);
+    a rank that cannot run it then raises CollectiveCheckError on its own.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class ContextParallelAttention:
         kernel: str = "auto",
         verify: str = "first",
         counter: CommCounter | None = None,
+        agreed: bool = False,
     ) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
@@ -91,8 +94,11 @@ class ContextParallelAttention:
             problem, self.layout = str(exc), build_layout(plan, 0)
         if plan.cp_size != size:
             problem = f"plan.cp_size is {plan.cp_size} but the process group has {size} ranks"
-        agree(group, rank=rank, plan_id=plan.plan_id, problem=problem,
-              where="ContextParallelAttention(plan)", extra={"comm_mode": self.comm_mode})
+        if not agreed:
+            agree(group, rank=rank, plan_id=plan.plan_id, problem=problem,
+                  where="ContextParallelAttention(plan)", extra={"comm_mode": self.comm_mode})
+        elif problem:
+            raise CollectiveCheckError(f"ContextParallelAttention(plan): rank {rank}: {problem}")
         self.process_group: Any = None
         order = None
         if initialised:

@@ -272,6 +272,20 @@ class PlanClient:
             self._count_fallback(result.reason or "late")
         return result
 
+    def wait(self, batch_id: Any, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the service's answer to a prefetched batch
+        (its plan or its failure) without consuming the batch; True if its plan is in.
+        Lets a caller that will ``get`` early give the service the whole budget first."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            batch = self._batches.get(str(batch_id))
+            while batch is not None and batch.service is None and not batch.network_done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return batch is not None and batch.service is not None
+
     def plan(self, doc_lengths: Sequence[int], timeout: float | None = None,
              **overrides: Any) -> ClientPlan:
         """Plan one sequence now (prefetch + get)."""

@@ -345,6 +345,12 @@ class Executor:
             if not raw.done() and isinstance(self._pool, WorkerPool):
                 raw.cancel()
 
+    def start_call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[tuple[Any, float]]:
+        """Admit and start a picklable ``fn(*args)`` on the pool now (no cache), stopped at
+        the deadline PLANNER_REQUEST_TIMEOUT_S (the future then fails with TaskExpired);
+        the future gives (result, ms). Raises Overloaded at once when full."""
+        return self._run(call_in_worker, fn, *args, timeout_s=self.timeout_for(None))
+
 
 async def wait_for(future: asyncio.Future[Any], timeout_s: float) -> Any:
     """Await a shared future up to ``timeout_s`` without cancelling it for other waiters."""

@@ -6,18 +6,11 @@ validated JSON body and serialises what comes back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import canonical_json
-from planner_service.fcp.requests import FcpResult
 from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
-
-
-def load_schedule() -> Callable[[ScheduleRequest], FcpResult] | None:
-    """FCP's ``schedule`` (it ships with the service, so never None)."""
-    return schedule
 
 
 def build_request(payload: dict[str, Any]) -> ScheduleRequest:

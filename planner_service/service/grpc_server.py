@@ -21,11 +21,11 @@ from pydantic import BaseModel, ValidationError
 
 from planner_service.core.validate import PlanError
 from planner_service.proto_build import load
-from planner_service.service import grpc_wire
+from planner_service.service import global_jobs, grpc_wire
 from planner_service.service.executor import DeadlineExceeded, Overloaded
 from planner_service.service.jobs import Conflict, NotFound
 from planner_service.service.middleware import bearer_token
-from planner_service.service.ops import NotImplementedYet, PlannerService
+from planner_service.service.ops import PlannerService
 from planner_service.service.pool import WorkerDied
 from planner_service.service.schemas import (
     CompareRequestIn,
@@ -103,8 +103,6 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
         return Code.ALREADY_EXISTS, str(exc), (("field", "batch"),)
     if isinstance(exc, NotFound):
         return Code.NOT_FOUND, str(exc), ()
-    if isinstance(exc, NotImplementedYet):
-        return Code.UNIMPLEMENTED, str(exc), ()
     if isinstance(exc, WorkerDied):
         return Code.UNAVAILABLE, f"{exc}; retry", ()
     if isinstance(exc, PlanError):
@@ -338,10 +336,10 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-def add_planner(server: grpc.aio.Server, servicer: PlannerServicer, pb2: Any) -> None:
-    """Register the Planner methods like the generated add_PlannerServicer_to_server, but
-    with lenient request deserializers: malformed bytes answer INVALID_ARGUMENT."""
-    service = pb2.DESCRIPTOR.services_by_name["Planner"]
+def add_service(server: grpc.aio.Server, servicer: Any, pb2: Any, name: str) -> None:
+    """Register the methods of service ``name`` like the generated add_*Servicer_to_server,
+    but with lenient request deserializers: malformed bytes answer INVALID_ARGUMENT."""
+    service = pb2.DESCRIPTOR.services_by_name[name]
     handlers = {}
     for method in service.methods:
         request_class = getattr(pb2, method.input_type.name)
@@ -379,10 +377,14 @@ async def start_grpc(service: PlannerService, host: str, port: int) -> GrpcServe
         options=[("grpc.max_receive_message_length", limit),
                  ("grpc.max_send_message_length", max(limit, 64 * 2**20)),
                  ("grpc.so_reuseport", 0)])
-    add_planner(server, PlannerServicer(service, stubs.pb2), stubs.pb2)
+    add_service(server, PlannerServicer(service, stubs.pb2), stubs.pb2, "Planner")
+    add_service(server, global_jobs.GlobalBatchesServicer(service, stubs.pb2, status_of,
+                                                          HTTP_EQUIVALENT),
+                stubs.pb2, "GlobalBatches")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (stubs.pb2.DESCRIPTOR.services_by_name["Planner"].full_name,
+             stubs.pb2.DESCRIPTOR.services_by_name["GlobalBatches"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

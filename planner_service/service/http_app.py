@@ -18,10 +18,11 @@ from pydantic import BaseModel, ValidationError
 
 from planner_service.core.plan import canonical_json
 from planner_service.core.validate import PlanError
+from planner_service.service import global_jobs
 from planner_service.service.executor import DeadlineExceeded, Overloaded, SolveResult
 from planner_service.service.jobs import BatchEntry, Conflict, NotFound
 from planner_service.service.middleware import AuthAndLimits
-from planner_service.service.ops import NotImplementedYet, PlannerService, sample_lengths
+from planner_service.service.ops import PlannerService, sample_lengths
 from planner_service.service.pool import WorkerDied
 from planner_service.service.schemas import (
     CompareOut,
@@ -183,6 +184,7 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
     async def index() -> FileResponse:
         return FileResponse(WEB_DIR / "index.html", media_type="text/html")
 
+    global_jobs.add_routes(app, svc)
     app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
     _document_bodies(app, (PlanRequestIn, CompareRequestIn, ScheduleRequestIn))
     return app
@@ -264,10 +266,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotFound)
     async def not_found(_: Request, exc: NotFound) -> JSONResponse:
         return error(404, str(exc), "batch")
-
-    @app.exception_handler(NotImplementedYet)
-    async def not_implemented(_: Request, exc: NotImplementedYet) -> JSONResponse:
-        return error(501, str(exc))
 
     @app.exception_handler(WorkerDied)
     async def worker_died(_: Request, exc: WorkerDied) -> JSONResponse:

@@ -44,10 +44,6 @@ MAX_REPORTED_FALLBACKS = 1
 a client cannot inflate the counter (and fire alerts) faster than it sends requests."""
 
 
-class NotImplementedYet(Exception):
-    """An operation whose back end is not installed (FCP scheduling before issue 4)."""
-
-
 class Comparison(NamedTuple):
     results: list[SolveResult]
     """One per strategy that gave a plan, in the order asked for."""
@@ -164,14 +160,18 @@ class PlannerService:
 
     async def schedule(self, body: ScheduleRequestIn, timeout_s: float | None = None
                        ) -> tuple[str, float]:
-        """FCP scheduling of a batch of sequences; returns (result JSON, solve ms).
+        """FCP scheduling of a batch of sequences; returns (result JSON, solve ms)."""
+        payload = self.schedule_payload(body)
+        try:
+            text, ms = await self.executor.call(fcp_bridge.schedule_in_worker, payload,
+                                                timeout_s=timeout_s)
+        except ValueError as exc:
+            raise FieldError(field_of(str(exc)), str(exc)) from None
+        return text, ms
 
-        Raises NotImplementedYet until ``planner_service.fcp.schedule`` exists.
-        """
-        if fcp_bridge.load_schedule() is None:
-            raise NotImplementedYet(
-                "FCP scheduling is not available in this build: planner_service.fcp.schedule "
-                "is not installed (FCP issue); use /v1/plan per sequence meanwhile")
+    def schedule_payload(self, body: ScheduleRequestIn) -> dict[str, Any]:
+        """The scheduler's input for a /v1/schedule body within this service's limits;
+        raises FieldError (also used by the job API for global batches)."""
         if len(body.sequences) > self.limits.max_sequences:
             raise FieldError("sequences", f"sequences has {len(body.sequences)} entries, above "
                              f"the limit {self.limits.max_sequences} (PLANNER_MAX_SEQUENCES)")
@@ -192,12 +192,7 @@ class PlannerService:
         payload = body.model_dump()
         if "profile" in payload:
             payload["profile"] = self.profiles.resolve(payload["profile"], "profile")
-        try:
-            text, ms = await self.executor.call(fcp_bridge.schedule_in_worker, payload,
-                                                timeout_s=timeout_s)
-        except ValueError as exc:
-            raise FieldError(field_of(str(exc)), str(exc)) from None
-        return text, ms
+        return payload
 
     # ---- jobs -------------------------------------------------------------------------
 
@@ -237,7 +232,7 @@ class PlannerService:
                 min(count, MAX_REPORTED_FALLBACKS))
 
 
-__all__ = ["Comparison", "DeadlineExceeded", "NotImplementedYet", "Overloaded",
+__all__ = ["Comparison", "DeadlineExceeded", "Overloaded",
            "PlannerService", "SolveResult"]
 
 

@@ -40,9 +40,9 @@ def install() -> None:
     """Register the test strategies in this process if the hooks are enabled (idempotent)."""
     if not enabled():
         return
-    from planner_service.solvers.registry import STRATEGIES, Strategy, register
+    from planner_service.solvers.registry import STRATEGIES, Strategy, add_test_strategy
 
     if HANG not in STRATEGIES:
-        register(Strategy(name=HANG, description="test hook: sleeps options.seconds, then ring",
+        add_test_strategy(Strategy(name=HANG, description="test hook: sleeps options.seconds, then ring",
                           solver=hang_layout, comm_mode="p2p_ring",
                           options={"seconds": "how long to sleep (default 3600)"}))

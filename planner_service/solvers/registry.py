@@ -171,6 +171,14 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
 """Every strategy, by name: one explicit table."""
 
 
+def add_test_strategy(strategy: Strategy) -> None:
+    """Add a strategy the table lacks, in this process only: for the service's test hooks
+    (``PLANNER_TEST_HOOKS``), never for a product strategy. Raises for a name in use."""
+    if strategy.name in STRATEGIES:
+        raise ValueError(f"strategy {strategy.name!r} is already in the registry")
+    STRATEGIES[strategy.name] = strategy  # type: ignore[index]
+
+
 def get_strategy(name: str) -> Strategy:
     """Look up a strategy; raises ValueError listing the valid names."""
     try:
