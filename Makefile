@@ -26,9 +26,9 @@ run: install
 	$(VENV)/bin/planner serve --host $(HOST) --http-port $(PORT) --grpc-port $(GRPC_PORT)
 
 # Two workers; --dist loadgroup hands out one test (or xdist_group) at a time, and
-# tests/conftest.py starts the tests marked slow first. Installs no system packages: the
-# browser test skips without chromium + chromedriver. PLANNER_TEST_TIME_SCALE=3 triples
-# every wall-clock allowance on a slow machine.
+# tests/conftest.py puts the modules with a test marked slow first. Installs no system
+# packages: the browser test skips without chromium + chromedriver.
+# PLANNER_TEST_TIME_SCALE=3 triples every wall-clock allowance on a slow machine.
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider --durations=15
 
