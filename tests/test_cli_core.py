@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from timing import scaled
 from typer.testing import CliRunner
 
 from planner_service import Plan, validate_plan
@@ -82,7 +83,8 @@ def test_rejects_bad_input_with_exit_2(args, message):
 def test_url_asks_a_running_service_and_gets_the_local_plan():
     from planner_service.service.testing import ServerProcess
 
-    with ServerProcess(grpc=False) as server:
+    # workers=0: the server solves in a thread; the CLI's client path is what this checks.
+    with ServerProcess(workers=0, grpc=False, startup_timeout_s=scaled(90)) as server:
         result = runner.invoke(
             app, ["plan", "--docs", DOCS, "--cp", "4", "--json", "--url", server.http_url]
         )

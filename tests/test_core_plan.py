@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from timing import scaled
+
 from planner_service import Plan, solve, validate_plan
 from planner_service.core.plan import content_hash
 from planner_service.core.request import debug_request
@@ -53,13 +55,28 @@ def test_plan_id_identical_across_processes():
         "print(','.join(solve(debug_request(strategy=s)).plan_id for s in "
         f"{CORE_STRATEGIES!r}))"
     )
-    ids = []
-    for seed in ("1", "12345"):
-        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    # Both interpreters start at once: their start-up is most of this test's time.
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        ids.append(out.stdout.strip())
+        for seed in ("1", "12345")
+    ]
+    ids = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=scaled(120))
+            assert proc.returncode == 0, err
+            ids.append(out.strip())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     local = ",".join(solve(debug_request(strategy=s)).plan_id for s in CORE_STRATEGIES)
     assert ids[0] == ids[1] == local
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from timing import scaled
 
 from planner_service.data import (
     CONTEXT_64K,
@@ -437,11 +438,14 @@ def test_wlbllm_file_matches_published_stats() -> None:
 
 
 def test_pack_wlbllm_128k_is_fast() -> None:
+    """A guard against a per-token or quadratic packing loop, not a benchmark: 1000
+    sequences of 128K take well under a tenth of a second of CPU. It measures this
+    process's CPU time, which other load on the machine does not stretch."""
     _shared_file("wlbllm")
     source = make_source("wlbllm")
     pack_sequences(source, context_length=CONTEXT_128K, num_sequences=10, seed=0)  # warm-up
-    start = time.perf_counter()
+    start = time.process_time()
     sequences = pack_sequences(source, context_length=CONTEXT_128K, num_sequences=1000, seed=0)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert len(sequences) == 1000
-    assert elapsed < 1.0
+    assert elapsed < scaled(1.0)
