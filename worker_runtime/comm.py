@@ -49,7 +49,11 @@ class CommCounter:
     rows kept or in flight); equals the plan's ``rank_stats.kv_tokens_peak``."""
     exposed_forward_s: float = 0.0
     exposed_backward_s: float = 0.0
-    """Seconds the attention waited for an exchange to land (the non-overlapped part)."""
+    """Seconds the attention waited for an exchange to land (the non-overlapped part). On
+    CUDA the wait is a stream dependency, timed by events: call ``settle()`` after a
+    device synchronisation to add those times."""
+    cuda_waits: list[tuple[str, Any, Any]] = field(default_factory=list)
+    """(direction, event before, event after) of CUDA waits not yet settled."""
 
     def add(self, direction: str, tokens: int, nbytes: int) -> None:
         if direction == "forward":
@@ -72,22 +76,40 @@ class CommCounter:
         else:
             self.exposed_backward_s += seconds
 
+    def settle(self) -> None:
+        """Add the CUDA waits' event times to the exposed seconds (call after a sync)."""
+        for direction, before, after in self.cuda_waits:
+            self.waited(direction, before.elapsed_time(after) / 1e3)
+        self.cuda_waits.clear()
+
     def reset(self) -> None:
         for name in ("forward_bytes", "backward_bytes", "forward_tokens", "backward_tokens",
                      "forward_calls", "backward_calls", "backward_recv_bytes", "kv_tokens_peak"):
             setattr(self, name, 0)
         self.exposed_forward_s = self.exposed_backward_s = 0.0
         self.history.clear()
+        self.cuda_waits.clear()
 
 
 class Pending:
     """Async collectives in flight; ``wait()`` blocks until they land, books the blocked
     time on the counter and returns ``finish()``'s value."""
 
-    def __init__(self, works: list[Any], finish: Any, counter: CommCounter, direction: str) -> None:
+    def __init__(self, works: list[Any], finish: Any, counter: CommCounter, direction: str,
+                 cuda: bool = False) -> None:
         self.works, self.finish, self.counter, self.direction = works, finish, counter, direction
+        self.cuda = cuda
 
     def wait(self) -> Any:
+        if self.cuda:
+            before = torch.cuda.Event(enable_timing=True)
+            after = torch.cuda.Event(enable_timing=True)
+            before.record()
+            for work in self.works:
+                work.wait()
+            after.record()
+            self.counter.cuda_waits.append((self.direction, before, after))
+            return self.finish()
         start = time.perf_counter()
         for work in self.works:
             work.wait()
@@ -168,7 +190,7 @@ class Exchanger:
                     list(c.send_splits), group=self.group, async_op=True))
                 bufs.append(recv)
         self.counter.add("forward", c.recv_rows, 2 * c.recv_rows * row.numel() * k.element_size())
-        return Pending(works, lambda: tuple(bufs), self.counter, "forward")
+        return Pending(works, lambda: tuple(bufs), self.counter, "forward", k.is_cuda)
 
     def gathered_row(self, recv_row: Any) -> Any:
         """Receive-buffer rows (peers only, as ``CommMap``) -> rows of ``start_forward``'s
@@ -196,7 +218,7 @@ class Exchanger:
         self.counter.add("backward", len(dk_recv), 2 * nbytes)
         self.counter.backward_recv_bytes += 2 * outs[0].numel() * outs[0].element_size()
         return Pending(works, lambda: tuple(returned_gradients(c, o) for o in outs),
-                       self.counter, "backward")
+                       self.counter, "backward", dk_recv.is_cuda)
 
     def backward(self, d_recv: torch.Tensor, d_local: torch.Tensor) -> None:
         """Send ``d_recv``'s rows back to their owners; add what comes back into ``d_local``."""

@@ -113,7 +113,7 @@ def _shift(state: RingState, tensors: tuple[torch.Tensor, ...], direction: str) 
         bufs.append(buf)
     nbytes = sum(x.numel() * x.element_size() for x in tensors)
     state.counter.add(direction, len(tensors[0]), nbytes)
-    return Pending(works, lambda: tuple(bufs), state.counter, direction)
+    return Pending(works, lambda: tuple(bufs), state.counter, direction, tensors[0].is_cuda)
 
 
 class RingAttention(torch.autograd.Function):
