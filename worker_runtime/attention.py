@@ -75,7 +75,8 @@ class ContextParallelAttention:
     copy of the plan): the ranks agree on the plan_id, then the process groups of a
     multi-group plan are created (cached, same order everywhere). Raises
     CollectiveCheckError on every rank if plan_ids differ or a rank cannot run the plan,
-    ValueError for a bad ``comm_mode``, ``kernel`` or ``verify``.
+    ValueError for a bad ``comm_mode``, ``kernel`` or ``verify``. ``overlap=False`` waits
+    for each exchange right after starting it (the torch-kernel paths; same results).
     """
 
     def __init__(
