@@ -1,7 +1,10 @@
-"""Worker-runtime CPU benchmark: index-map preparation time and KV bytes per layer.
+"""Worker-runtime CPU benchmark: index-map preparation time, KV bytes per layer, KV memory
+per rank, and overlapped / ring execution over gloo.
 
     .venv/bin/python -m bench.runtime_bench            # writes bench/results/runtime.md
     .venv/bin/python -m bench.runtime_bench --profile  # also CPU timings for the cost fit
+    .venv/bin/python -m bench.runtime_bench --execution  # bench/results/runtime_bench_execution.md
+    .venv/bin/python -m bench.runtime_bench --execution --device cuda  # NCCL, one GPU per rank
 
 1. Preparation: plan -> (layout, comm map) on one rank, for 128K-token packed sequences
    of the WLB-LLM and code length sets at N = 8; every rank timed (median of repeats).
@@ -11,6 +14,13 @@
    figures.
 3. ``--profile``: attention and comm timings on CPU in the ``cp-planner-timings/v1``
    format (bench/results/timings_cpu.json), the file the cost-model fit reads.
+4. ``--execution``: (a) KV memory per rank from the plans' ``kv_tokens_peak`` against the
+   per-shard gathered keys of the earlier runtime (sum of shard ends), 128K, N = 8; (b)
+   the same plans run with overlap off and on, ring plans also as an all-gather: one
+   layer's forward + backward time, the time the kernel waited for an exchange (exposed),
+   peak KV bytes per rank, and the share of queries whose keys are all local (what
+   overlap can hide). CPU: gloo, torch kernel; ``--device cuda``: NCCL, the torch kernel
+   (flash-attn's varlen format has no overlapped path), skipped without enough GPUs.
 """
 
 from __future__ import annotations
@@ -30,10 +40,12 @@ from planner_service.core.request import PlanRequest
 from planner_service.data import CONTEXT_128K, make_source, pack_sequences
 from planner_service.solvers.registry import solve
 from worker_runtime import COMM_MODES, ContextParallelAttention, build_comm_map, build_layout
+from worker_runtime.overlap import local_share
 from worker_runtime.profiler import attention_records, comm_record, timings_document, write_timings
 from worker_runtime.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CONTEXT_32K = 32768
 DATASETS = ("wlbllm", "code")
 PREP_STRATEGIES = ("llama3", "per_doc", "flashcp")
 LLAMA3_8B = ModelSpec()
@@ -126,6 +138,150 @@ def profile(path: Path) -> str:
     return f"{len(records)} attention and {len(comm)} comm records -> {path.relative_to(RESULTS.parent.parent)}"
 
 
+def memory_table(num_seq: int, cp: int) -> list[str]:
+    """Max over ranks of KV tokens held per layer / tokens per rank: the earlier runtime's
+    per-shard gathered keys (sum of shard ends) against the plan's ``kv_tokens_peak``."""
+    lines = ["| dataset | strategy | mode | per-shard gather (mean / max) | kv_tokens_peak (mean / max) | "
+             "local query share (mean / min over ranks) |", "|---|---|---|---:|---:|---:|"]
+    for ds in DATASETS:
+        seqs = sequences(ds, num_seq)
+        for strategy in ("llama3", "per_doc", "flashcp"):
+            old, new, shares = [], [], []
+            for seq in seqs:
+                plan = solve(PlanRequest(doc_lengths=tuple(seq), cp_size=cp, strategy=strategy,
+                                         context_length=CONTEXT_128K, model=LLAMA3_8B))
+                t = plan.metrics.tokens_per_rank
+                old.append(max(sum(e for _, _, e in plan.rank_shards(r)) for r in range(cp)) / t)
+                new.append(max(max(g.rank_stats.kv_tokens_peak) for g in plan.groups) / t)
+                for r in range(cp):
+                    lay = build_layout(plan, r)
+                    local, real = local_share(lay, build_comm_map(lay, "alltoallv"))
+                    shares.append(local / real if real else 1.0)
+            lines.append(f"| {ds} | {strategy} | {plan.comm_mode} | {statistics.mean(old):.2f} / "
+                         f"{max(old):.2f} | {statistics.mean(new):.2f} / {max(new):.2f} | "
+                         f"{statistics.mean(shares):.1%} / {min(shares):.1%} |")
+    return lines
+
+
+EXEC_MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype_bytes=4)
+"""Small heads so a 32K layer runs in seconds on one CPU thread (float32)."""
+
+
+def exec_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]], repeats: int,
+                device: str) -> list[dict]:
+    """Per case (plan JSON, mode, overlap): per repeat this rank's forward + backward
+    seconds, exposed exchange seconds, bytes moved and peak KV tokens."""
+    import torch.distributed as dist
+
+    dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
+    out = []
+    for ci, (text, mode, overlap) in enumerate(cases):
+        plan = Plan.from_json(text)
+        attn = ContextParallelAttention(plan, comm_mode=mode, overlap=overlap, kernel="torch")
+        gen = torch.Generator().manual_seed(1000 * ci + rank)
+        t, m = attn.num_tokens, EXEC_MODEL
+        q, dout = (torch.randn(t, m.num_heads, m.head_dim, generator=gen).to(dev) for _ in range(2))
+        k, v = (torch.randn(t, m.num_kv_heads, m.head_dim, generator=gen).to(dev) for _ in range(2))
+        runs = []
+        for i in range(repeats + 1):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            dist.barrier()
+            attn.counter.reset()
+            start = time.perf_counter()
+            attn(leaves[0], leaves[1], leaves[2]).backward(dout)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            seconds = time.perf_counter() - start
+            c = attn.counter
+            c.settle()
+            if i:  # the first call builds the index maps and warms up
+                runs.append({"s": seconds, "exposed_s": c.exposed_forward_s + c.exposed_backward_s,
+                             "bytes": c.forward_bytes + c.backward_bytes, "peak": c.kv_tokens_peak})
+        out.append({"runs": runs, "share": attn.local_query_share()})
+    return out
+
+
+def execution_table(cps: tuple[int, ...], num_seq: int, context: int, repeats: int, device: str) -> list[str]:
+    lines = ["| N | seq | plan | run as | overlap | fwd+bwd ms | exposed exchange ms | "
+             "KV MiB moved | peak KV MiB per rank | local query share |",
+             "|---:|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    row_bytes = EXEC_MODEL.kv_bytes_per_token
+    for cp in cps:
+        if device == "cuda" and torch.cuda.device_count() < cp:
+            lines.append(f"| {cp} | | skipped: {torch.cuda.device_count()} CUDA device(s), needs {cp} |"
+                         " | | | | | | |")
+            continue
+        cases, labels = [], []
+        for si, seq in enumerate(sequences("wlbllm", num_seq, context)):
+            for strategy, modes in (("flashcp", (None,)), ("zigzag", ("full", "p2p_ring"))):
+                plan = solve(PlanRequest(doc_lengths=tuple(seq), cp_size=cp, strategy=strategy,
+                                         model=EXEC_MODEL))
+                for mode in modes:
+                    for overlap in (False, True):
+                        cases.append((plan.to_json(), mode or plan.comm_mode, overlap))
+                        labels.append((si, strategy, mode or plan.comm_mode, overlap))
+        res = run_distributed(exec_worker, cp, cases, repeats, device, timeout_s=3600,
+                              pg_timeout_s=600, backend="gloo" if device == "cpu" else "nccl")
+        for ci, (si, strategy, mode, overlap) in enumerate(labels):
+            per_rep = list(zip(*(r[ci]["runs"] for r in res), strict=True))
+            step = statistics.median(max(x["s"] for x in rep) for rep in per_rep) * 1e3
+            exposed = statistics.median(max(x["exposed_s"] for x in rep) for rep in per_rep) * 1e3
+            moved = max(x["bytes"] for x in per_rep[0]) / MIB
+            peak = max(x["peak"] for x in per_rep[0]) * row_bytes / MIB
+            local, total = (sum(r[ci]["share"][j] for r in res) for j in (0, 1))
+            lines.append(f"| {cp} | {si} | {strategy} | {mode} | {'on' if overlap else 'off'} | "
+                         f"{step:.0f} | {exposed:.1f} | {moved:.2f} | {peak:.2f} | {local / total:.1%} |")
+    return lines
+
+
+def execution_main(args: argparse.Namespace) -> None:
+    out = RESULTS / ("runtime_bench_execution.md" if args.device == "cpu" else "runtime_bench_execution_cuda.md")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("skipped: --device cuda needs CUDA (torch.cuda.is_available() is False); nothing written")
+        return
+    load = os.getloadavg()
+    command = (f".venv/bin/python -m bench.runtime_bench --execution --device {args.device} "
+               f"--exec-sequences {args.exec_sequences} --exec-repeats {args.exec_repeats} --memory-sequences "
+               f"{args.memory_sequences}")
+    lines = [
+        f"# Worker runtime execution benchmark ({args.device})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on "
+        f"{os.cpu_count()} cores; 1 torch thread per rank. Timings on a shared, loaded machine are "
+        "indicative only; the byte and memory columns are exact.",
+        "",
+        f"## KV held per layer per rank / tokens per rank, 128K, N = 8 ({args.memory_sequences} sequences)",
+        "",
+        "Per-shard gather: the earlier runtime's gathered keys (every shard's prefix [0, end) of its",
+        "doc, kept for backward). kv_tokens_peak: the plan's figure, which the lean runtime's",
+        "counter equals (tests/test_runtime_overlap.py): per doc, one copy of the prefix up to the",
+        "rank's last shard end. Mean and max over sequences of the max over ranks. Local query",
+        "share: queries whose keys are all on their own rank (they finish before any remote KV",
+        "arrives: what overlap can hide), per rank, mean and min over ranks and sequences.",
+        "",
+        *memory_table(args.memory_sequences, 8),
+        "",
+        f"## One layer forward + backward, WLB-LLM {CONTEXT_32K} tokens, {args.exec_sequences} sequences",
+        "",
+        f"Model: {EXEC_MODEL.num_heads} heads, {EXEC_MODEL.num_kv_heads} KV heads x {EXEC_MODEL.head_dim}, "
+        "float32, torch kernel. fwd+bwd: median over "
+        f"{args.exec_repeats} repeats of the slowest rank; exposed exchange: time blocked waiting for the",
+        "exchange (forward + backward), slowest rank; KV moved: forward + backward bytes of the rank",
+        "that moves most (a ring's backward re-circulates K/V and carries dK/dV: twice the forward);",
+        "peak KV: the counter's kv_tokens_peak x K/V bytes per token; local query share: queries",
+        "whose keys are all on their own rank, over all ranks. A wait also covers slower peers",
+        "(skew); N ranks on fewer shared cores inflate it, most for the ring (one wait per step).",
+        "",
+        *execution_table((2, 4), args.exec_sequences, CONTEXT_32K, args.exec_repeats, args.device),
+        "",
+        f"Load average at end {os.getloadavg()[0]:.1f}.",
+    ]
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=8, help="packed 128K sequences per dataset")
@@ -133,8 +289,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="also write CPU timings (gloo)")
     parser.add_argument("--out", type=Path, default=RESULTS / "runtime.md")
+    parser.add_argument("--execution", action="store_true",
+                        help="KV memory and overlapped / ring execution (runtime_bench_execution.md)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--exec-sequences", type=int, default=1, help="32K WLB-LLM sequences per N")
+    parser.add_argument("--exec-repeats", type=int, default=2, help="timed layers per case (after one warm-up)")
+    parser.add_argument("--memory-sequences", type=int, default=10, help="128K sequences per dataset")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.execution:
+        execution_main(args)
+        return
     lines = [
         "# Worker runtime benchmark (CPU)",
         "",

@@ -2,11 +2,12 @@
 
 ``ContextParallelAttention(plan, rank, group)`` gives the local token layout (indices,
 doc ids, positions), ``dispatch``/``undispatch`` and a differentiable ``attention(q, k,
-v)`` whose KV exchange is ``full``, ``compact_allgather`` or ``alltoallv``. The runtime
-never solves: plans come from ``planner_service``.
+v)`` whose KV exchange is ``full``, ``compact_allgather``, ``alltoallv`` (overlapped with
+the local-key attention, one copy of the distinct remote KV kept) or a ``p2p_ring``. The
+runtime never solves: plans come from ``planner_service``.
 """
 
-from worker_runtime.attention import ContextParallelAttention, resolve_comm_mode
+from worker_runtime.attention import RUN_MODES, ContextParallelAttention, resolve_comm_mode
 from worker_runtime.comm import CommCounter
 from worker_runtime.groups import GroupCache, clear_group_caches, group_cache
 from worker_runtime.kernels import build_meta, flash_attn_available, varlen_attention
@@ -17,6 +18,7 @@ from worker_runtime.layout import (
     build_comm_map,
     build_layout,
     expand_ranges,
+    planned_kv_tokens_peak,
     planned_recv_tokens,
 )
 from worker_runtime.reference import document_mask, reference_attention
@@ -24,6 +26,7 @@ from worker_runtime.safety import CollectiveCheckError, broadcast_plan
 
 __all__ = [
     "COMM_MODES",
+    "RUN_MODES",
     "CollectiveCheckError",
     "CommCounter",
     "CommMap",
@@ -39,6 +42,7 @@ __all__ = [
     "expand_ranges",
     "flash_attn_available",
     "group_cache",
+    "planned_kv_tokens_peak",
     "planned_recv_tokens",
     "reference_attention",
     "resolve_comm_mode",

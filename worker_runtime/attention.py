@@ -1,10 +1,20 @@
 """The public runtime object: one plan, this rank, a process group -> local layout and a
 differentiable context-parallel attention call.
 
-Per call: stack local K and V, exchange them as the comm map says (``comm.KVExchange``),
-gather every shard's keys ``[0, e)`` of its doc (``kv_index``), run the varlen kernel on
-the real (non-padding) queries, append zero rows for padding. Backward runs the same
-collectives in reverse, so every rank of a group must call backward if any does.
+Per call, by comm mode and kernel:
+
+- gather modes (``full``, ``compact_allgather``, ``alltoallv``) on the exact torch kernel:
+  ``overlap.LeanAttention``: the exchange starts async, local-key attention runs while it
+  is in flight, one copy of the distinct remote KV is kept, parts merge by log-sum-exp;
+- ``p2p_ring`` (a ring plan's own mode) on the torch kernel: ``ring.RingAttention``, N - 1
+  point-to-point steps overlapped with the current block's attention;
+- flash-attn (CUDA, fp16/bf16): the gathered path: exchange (blocking), gather every
+  shard's keys ``[0, e)`` of its doc (``kv_index``), one varlen kernel call; a ring plan
+  runs its bytes as ``full`` there.
+
+``overlap=False`` waits for every exchange right after starting it (same arithmetic).
+Backward runs the collectives in reverse, so every rank of a group must call backward if
+any does.
 """
 
 from __future__ import annotations
@@ -20,27 +30,33 @@ from planner_service.core.plan import Plan
 from worker_runtime import dispatch as _dispatch
 from worker_runtime.comm import CommCounter, Exchanger, KVExchange
 from worker_runtime.groups import group_cache
-from worker_runtime.kernels import KERNELS, VarlenMeta, build_meta, varlen_attention
+from worker_runtime.kernels import KERNELS, VarlenMeta, build_meta, uses_flash, varlen_attention
 from worker_runtime.layout import (
     COMM_MODES,
     CommMap,
     RankLayout,
     build_comm_map,
     build_layout,
+    planned_kv_tokens_peak,
     planned_recv_tokens,
 )
+from worker_runtime.overlap import LeanAttention, LeanState, build_state, local_share
+from worker_runtime.ring import RingAttention, RingState, build_ring_state
 from worker_runtime.safety import CollectiveCheckError, agree, local_input_problem
 
 VERIFY = ("first", "always", "never")
 
 
+RUN_MODES = (*COMM_MODES, "p2p_ring")
+"""Modes a caller may ask for: the gather modes and the ring."""
+
+
 def resolve_comm_mode(plan: Plan, comm_mode: str | None) -> str:
-    """The exchange to run: ``comm_mode`` or the plan's own (``p2p_ring`` runs as ``full``,
-    which moves the same bytes). Raises ValueError for an unknown mode."""
+    """The exchange to run: ``comm_mode`` or the plan's own (``p2p_ring`` runs as a ring on
+    the torch kernel). Raises ValueError for an unknown mode."""
     mode = comm_mode or plan.comm_mode
-    mode = "full" if mode == "p2p_ring" else mode
-    if mode not in COMM_MODES:
-        raise ValueError(f"comm_mode must be one of {', '.join(COMM_MODES)} (or the plan's), got {mode!r}")
+    if mode not in RUN_MODES:
+        raise ValueError(f"comm_mode must be one of {', '.join(RUN_MODES)} (or the plan's), got {mode!r}")
     return mode
 
 
@@ -48,6 +64,8 @@ class _DeviceState(NamedTuple):
     meta: VarlenMeta
     kv_index: torch.Tensor
     exchanger: Exchanger
+    lean: LeanState
+    ring: RingState | None
 
 
 class ContextParallelAttention:
@@ -59,7 +77,8 @@ class ContextParallelAttention:
     CollectiveCheckError on every rank if plan_ids differ or a rank cannot run the plan,
     ValueError for a bad ``comm_mode``, ``kernel`` or ``verify``. ``agreed=True`` skips the
     plan_id all-gather for a plan every rank already holds (planner_service.client.agreement);
-    a rank that cannot run it then raises CollectiveCheckError on its own.
+    a rank that cannot run it then raises CollectiveCheckError on its own. ``overlap=False``
+    waits for each exchange right after starting it (the torch-kernel paths; same results).
     """
 
     def __init__(
@@ -73,13 +92,16 @@ class ContextParallelAttention:
         verify: str = "first",
         counter: CommCounter | None = None,
         agreed: bool = False,
+        overlap: bool = True,
     ) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         if verify not in VERIFY:
             raise ValueError(f"verify must be one of {', '.join(VERIFY)}, got {verify!r}")
-        self.plan, self.kernel, self.verify = plan, kernel, verify
+        self.plan, self.kernel, self.verify, self.overlap = plan, kernel, verify, bool(overlap)
         self.comm_mode = resolve_comm_mode(plan, comm_mode)
+        # The gathered (flash) path and the comm map run a ring's bytes as a full exchange.
+        self.gather_mode = "full" if self.comm_mode == "p2p_ring" else self.comm_mode
         self.counter = counter if counter is not None else CommCounter()
         initialised = dist.is_initialized()
         self.parent = group
@@ -110,7 +132,7 @@ class ContextParallelAttention:
                 globals_ = [dist.get_global_rank(self._parent(), r) for r in self.layout.group_ranks]
                 order = [dist.get_group_rank(self.process_group, g) for g in globals_]
         self.order = order
-        self.comm_map: CommMap = build_comm_map(self.layout, self.comm_mode, order)
+        self.comm_map: CommMap = build_comm_map(self.layout, self.gather_mode, order)
         self._states: dict[torch.device, _DeviceState] = {}
         self._verified = False
 
@@ -135,8 +157,18 @@ class ContextParallelAttention:
         return self.layout.positions
 
     def planned_recv_tokens(self) -> int:
-        """KV tokens this rank receives per pass according to the plan's figures."""
-        return planned_recv_tokens(self.plan, self.rank, self.comm_mode)
+        """KV tokens this rank receives per forward pass according to the plan's figures."""
+        return planned_recv_tokens(self.plan, self.rank, self.gather_mode)
+
+    def planned_kv_tokens_peak(self) -> int:
+        """KV tokens this rank holds at once per layer according to the plan's figures
+        (the counter's ``kv_tokens_peak`` after a call on the torch kernel)."""
+        return planned_kv_tokens_peak(self.plan, self.rank, self.comm_mode)
+
+    def local_query_share(self) -> tuple[int, int]:
+        """(queries whose keys are all local, real queries): the attention that can run
+        before any remote KV arrives."""
+        return local_share(self.layout, self.comm_map)
 
     def dispatch(self, x: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
         """Local rows of a global packed tensor (see dispatch.dispatch)."""
@@ -166,6 +198,10 @@ class ContextParallelAttention:
             return q * 0 + (k.sum() + v.sum()) * 0
         state = self._state(q.device)
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        if not uses_flash(q, self.kernel):
+            if state.ring is not None:
+                return RingAttention.apply(q, k, v, state.ring, scale, self.overlap)
+            return LeanAttention.apply(q, k, v, state.lean, scale, self.overlap)
         kv = torch.stack((k, v), dim=1)
         source = KVExchange.apply(kv, state.exchanger)
         # Gathering K and V apart gives the contiguous [keys, G, D] tensors flash-attn wants.
@@ -203,10 +239,16 @@ class ContextParallelAttention:
         if device not in self._states:
             lay, comm = self.layout, self.comm_map
             position = dist.get_rank(self.process_group) if self.process_group is not None else 0
+            exchanger = Exchanger.create(comm, self.process_group, position, self.counter, device)
+            ring = None
+            if self.comm_mode == "p2p_ring":
+                ring = build_ring_state(lay, self.process_group, self.order, self.counter, device)
             self._states[device] = _DeviceState(
                 meta=build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device),
                 kv_index=torch.from_numpy(comm.kv_index).to(device),
-                exchanger=Exchanger.create(comm, self.process_group, position, self.counter, device),
+                exchanger=exchanger,
+                lean=build_state(lay, exchanger, device),
+                ring=ring,
             )
         return self._states[device]
 

@@ -90,9 +90,57 @@ def build_meta(
     )
 
 
+def build_masked_meta(
+    q_seg: np.ndarray,
+    q_pos: np.ndarray,
+    k_seg: np.ndarray,
+    k_pos: np.ndarray,
+    device: torch.device | str = "cpu",
+    *,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> VarlenMeta:
+    """Torch-kernel metadata for "query (doc, pos) sees key (doc, p) iff p <= pos".
+
+    Queries and keys are each sorted by (doc, pos); keys need not be contiguous in
+    position (a rank's own pieces of a doc, a peer's block, the remote pieces it needs).
+    Key rows with a doc no query has (padding: any negative doc) are never seen. Each query
+    block reads the keys from its first query's doc start to its last query's own
+    position. No cu_seqlens (flash-attn cannot take this form). O(T + K) numpy.
+    """
+    q_seg, q_pos = np.asarray(q_seg, np.int64), np.asarray(q_pos, np.int64)
+    k_seg, k_pos = np.asarray(k_seg, np.int64), np.asarray(k_pos, np.int64)
+    stride = int(max(q_pos.max(initial=0), k_pos.max(initial=0))) + 1
+    k_key = np.where(k_seg < 0, np.iinfo(np.int64).max, k_seg * stride + k_pos)
+    blocks = []
+    for q0 in range(0, len(q_seg), block_q):
+        q1 = min(q0 + block_q, len(q_seg))
+        k_lo = int(np.searchsorted(k_key, q_seg[q0] * stride, side="left"))
+        k_hi = int(np.searchsorted(k_key, q_seg[q1 - 1] * stride + q_pos[q1 - 1], side="right"))
+        keys = tuple((k0, min(k0 + block_k, k_hi)) for k0 in range(k_lo, k_hi, block_k))
+        blocks.append((q0, q1, keys))
+
+    def tensor(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=torch.int64)
+
+    empty = torch.zeros(0, dtype=torch.int32, device=device)
+    return VarlenMeta(
+        cu_seqlens_q=empty, cu_seqlens_k=empty, max_seqlen_q=0, max_seqlen_k=0,
+        q_seg=tensor(q_seg), q_limit=tensor(q_pos), k_seg=tensor(k_seg), k_pos=tensor(k_pos),
+        blocks=tuple(blocks),
+    )
+
+
 def flash_attn_available(device: torch.device) -> bool:
     """True on CUDA when the flash_attn package is importable."""
     return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def uses_flash(q: torch.Tensor, kernel: str) -> bool:
+    """Whether ``kernel`` runs flash-attn for queries like ``q`` (``auto``: CUDA, fp16/bf16,
+    flash-attn importable)."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    return kernel == "flash" or (kernel == "auto" and half and flash_attn_available(q.device))
 
 
 def varlen_attention(
@@ -112,8 +160,7 @@ def varlen_attention(
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     half = q_THD.dtype in (torch.float16, torch.bfloat16)
-    use_flash = kernel == "flash" or (kernel == "auto" and half and flash_attn_available(q_THD.device))
-    if use_flash:
+    if uses_flash(q_THD, kernel):
         if not (half and flash_attn_available(q_THD.device)):
             raise ValueError("kernel='flash' needs CUDA tensors in fp16/bf16 and flash-attn installed")
         from flash_attn import flash_attn_varlen_func
@@ -135,36 +182,87 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def attention_forward(
+    q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor, meta: VarlenMeta, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact blockwise forward, no autograd: ``(out [T, G, R, D], lse [T, G, R])`` in the
+    compute dtype (float64 for float64 inputs, else float32). Every query needs at least one
+    visible key (else its row is NaN)."""
+    t, h, d = q_THD.shape
+    g = k_KGD.shape[1]
+    r = h // g
+    cd = _compute_dtype(q_THD.dtype)
+    out = torch.zeros(t, g, r, d, dtype=cd, device=q_THD.device)
+    lse = torch.zeros(t, g, r, dtype=cd, device=q_THD.device)
+    for q0, q1, keys in meta.blocks:
+        q_QGRD = q_THD[q0:q1].view(q1 - q0, g, r, d).to(cd)
+        m = torch.full((g, r, q1 - q0), -math.inf, dtype=cd, device=q_THD.device)
+        den = torch.zeros_like(m)
+        acc = torch.zeros(g, r, q1 - q0, d, dtype=cd, device=q_THD.device)
+        for k0, k1 in keys:
+            mask = _block_mask(meta, q0, q1, k0, k1)
+            s = torch.einsum("qgrd,kgd->grqk", q_QGRD, k_KGD[k0:k1].to(cd)) * scale
+            s = s.masked_fill(~mask, -math.inf)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)
+            den = den * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.einsum("grqk,kgd->grqd", p, v_KGD[k0:k1].to(cd))
+            m = m_new
+        out[q0:q1] = (acc / den[..., None]).permute(2, 0, 1, 3)
+        lse[q0:q1] = (m + torch.log(den)).permute(2, 0, 1)
+    return out, lse
+
+
+def attention_backward(
+    do_TGRD: torch.Tensor,
+    q_THD: torch.Tensor,
+    k_KGD: torch.Tensor,
+    v_KGD: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    meta: VarlenMeta,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact blockwise backward of one part of the keys, no autograd.
+
+    ``lse`` and ``delta = rowsum(dout * out)`` are of the *whole* attention (all parts
+    merged), so the parts' gradients add up to the gradient of the merged output (the
+    ring-attention identity). Returns ``(dq [T, G, R, D], dk, dv)`` in the compute dtype.
+    """
+    t, h, d = q_THD.shape
+    g = k_KGD.shape[1]
+    r = h // g
+    cd = lse.dtype
+    dq = torch.zeros(t, g, r, d, dtype=cd, device=q_THD.device)
+    dk = torch.zeros(k_KGD.shape, dtype=cd, device=q_THD.device)
+    dv = torch.zeros(v_KGD.shape, dtype=cd, device=q_THD.device)
+    for q0, q1, keys in meta.blocks:
+        q_QGRD = q_THD[q0:q1].view(q1 - q0, g, r, d).to(cd)
+        do = do_TGRD[q0:q1]
+        lse_b = lse[q0:q1].permute(1, 2, 0)[..., None]
+        delta_b = delta[q0:q1].permute(1, 2, 0)[..., None]
+        for k0, k1 in keys:
+            mask = _block_mask(meta, q0, q1, k0, k1)
+            kb, vb = k_KGD[k0:k1].to(cd), v_KGD[k0:k1].to(cd)
+            s = torch.einsum("qgrd,kgd->grqk", q_QGRD, kb) * scale
+            p = torch.exp(s - lse_b).masked_fill(~mask, 0.0)
+            dv[k0:k1] += torch.einsum("grqk,qgrd->kgd", p, do)
+            dp = torch.einsum("qgrd,kgd->grqk", do, vb)
+            ds = p * (dp - delta_b) * scale
+            dq[q0:q1] += torch.einsum("grqk,kgd->qgrd", ds, kb)
+            dk[k0:k1] += torch.einsum("grqk,qgrd->kgd", ds, q_QGRD)
+    return dq, dk, dv
+
+
 class _TorchVarlen(torch.autograd.Function):
     """Blockwise exact attention; saves only the output and the log-sum-exp."""
 
     @staticmethod
     def forward(ctx: Any, q_THD, k_KGD, v_KGD, meta: VarlenMeta, scale: float):  # type: ignore[override]
-        t, h, d = q_THD.shape
-        g = k_KGD.shape[1]
-        r = h // g
-        cd = _compute_dtype(q_THD.dtype)
-        out = torch.zeros(t, g, r, d, dtype=cd, device=q_THD.device)
-        lse = torch.zeros(t, g, r, dtype=cd, device=q_THD.device)
-        for q0, q1, keys in meta.blocks:
-            q_QGRD = q_THD[q0:q1].view(q1 - q0, g, r, d).to(cd)
-            m = torch.full((g, r, q1 - q0), -math.inf, dtype=cd, device=q_THD.device)
-            den = torch.zeros_like(m)
-            acc = torch.zeros(g, r, q1 - q0, d, dtype=cd, device=q_THD.device)
-            for k0, k1 in keys:
-                mask = _block_mask(meta, q0, q1, k0, k1)
-                s = torch.einsum("qgrd,kgd->grqk", q_QGRD, k_KGD[k0:k1].to(cd)) * scale
-                s = s.masked_fill(~mask, -math.inf)
-                m_new = torch.maximum(m, s.amax(dim=-1))
-                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                p = torch.exp(s - m_safe[..., None])
-                alpha = torch.exp(m - m_safe)
-                den = den * alpha + p.sum(dim=-1)
-                acc = acc * alpha[..., None] + torch.einsum("grqk,kgd->grqd", p, v_KGD[k0:k1].to(cd))
-                m = m_new
-            out[q0:q1] = (acc / den[..., None]).permute(2, 0, 1, 3)
-            lse[q0:q1] = (m + torch.log(den)).permute(2, 0, 1)
-        out_THD = out.view(t, h, d).to(q_THD.dtype)
+        out, lse = attention_forward(q_THD, k_KGD, v_KGD, meta, scale)
+        out_THD = out.view(q_THD.shape).to(q_THD.dtype)
         ctx.save_for_backward(q_THD, k_KGD, v_KGD, out_THD, lse)
         ctx.meta, ctx.scale = meta, scale
         return out_THD
@@ -172,31 +270,13 @@ class _TorchVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout_THD):  # type: ignore[override]
         q_THD, k_KGD, v_KGD, out_THD, lse = ctx.saved_tensors
-        meta, scale = ctx.meta, ctx.scale
         t, h, d = q_THD.shape
         g = k_KGD.shape[1]
         r = h // g
         cd = lse.dtype
-        dq = torch.zeros(t, g, r, d, dtype=cd, device=q_THD.device)
-        dk = torch.zeros(k_KGD.shape, dtype=cd, device=q_THD.device)
-        dv = torch.zeros(v_KGD.shape, dtype=cd, device=q_THD.device)
         do_all = dout_THD.reshape(t, g, r, d).to(cd)
         delta = (do_all * out_THD.view(t, g, r, d).to(cd)).sum(dim=-1)  # [T, G, R]
-        for q0, q1, keys in meta.blocks:
-            q_QGRD = q_THD[q0:q1].view(q1 - q0, g, r, d).to(cd)
-            do = do_all[q0:q1]
-            lse_b = lse[q0:q1].permute(1, 2, 0)[..., None]
-            delta_b = delta[q0:q1].permute(1, 2, 0)[..., None]
-            for k0, k1 in keys:
-                mask = _block_mask(meta, q0, q1, k0, k1)
-                kb, vb = k_KGD[k0:k1].to(cd), v_KGD[k0:k1].to(cd)
-                s = torch.einsum("qgrd,kgd->grqk", q_QGRD, kb) * scale
-                p = torch.exp(s - lse_b).masked_fill(~mask, 0.0)
-                dv[k0:k1] += torch.einsum("grqk,qgrd->kgd", p, do)
-                dp = torch.einsum("qgrd,kgd->grqk", do, vb)
-                ds = p * (dp - delta_b) * scale
-                dq[q0:q1] += torch.einsum("grqk,kgd->qgrd", ds, kb)
-                dk[k0:k1] += torch.einsum("grqk,qgrd->kgd", ds, q_QGRD)
+        dq, dk, dv = attention_backward(do_all, q_THD, k_KGD, v_KGD, lse, delta, ctx.meta, ctx.scale)
         return (
             dq.view(t, h, d).to(q_THD.dtype), dk.to(k_KGD.dtype), dv.to(v_KGD.dtype), None, None,
         )

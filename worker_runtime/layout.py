@@ -28,11 +28,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from planner_service.core.cost import CommVolumes, recv_tokens_by_mode
+from planner_service.core.cost import CommVolumes, kv_tokens_peak, recv_tokens_by_mode
 from planner_service.core.plan import Plan, Shard
 
 COMM_MODES = ("full", "compact_allgather", "alltoallv")
-"""Exchanges the runtime executes; a plan's ``p2p_ring`` runs as ``full`` (same bytes)."""
+"""Exchanges with a comm map (gathered exchanges); ``p2p_ring`` runs as a ring (``ring.py``),
+whose bytes equal ``full``'s, which is also how the flash-attn path runs it."""
 
 
 def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -243,6 +244,12 @@ class CommMap(NamedTuple):
     recv_rows: int
     kv_index: np.ndarray
     """Source rows of every shard's keys, shards in order (length ``cu_seqlens_k[-1]``)."""
+    remote_index: np.ndarray
+    """Rows of the receive buffer this rank attends, one per distinct remote token, sorted
+    by (doc, position): per doc it holds, the peers' tokens below its last shard's end."""
+    remote_doc: np.ndarray
+    remote_pos: np.ndarray
+    """Doc and doc-relative position of every ``remote_index`` row."""
 
 
 def build_comm_map(layout: RankLayout, mode: str, order: Sequence[int] | None = None) -> CommMap:
@@ -258,7 +265,7 @@ def build_comm_map(layout: RankLayout, mode: str, order: Sequence[int] | None = 
     empty = np.zeros(0, dtype=np.int64)
     a = layout.arrays
     if a is None:
-        return CommMap(mode, "none", empty, 0, (), (), 0, empty)
+        return CommMap(mode, "none", empty, 0, (), (), 0, empty, empty, empty, empty)
     n, i, t = a.num_ranks, layout.slot, layout.num_tokens
     coll = np.argsort(np.argsort(a.ranks)) if order is None else np.asarray(order, dtype=np.int64)
     if sorted(coll.tolist()) != list(range(n)):
@@ -308,19 +315,34 @@ def build_comm_map(layout: RankLayout, mode: str, order: Sequence[int] | None = 
     piece_len = np.minimum(a.end[piece], np.repeat(e_mine, count)) - a.start[piece]
     assert (src[piece] >= 0).all(), "every needed key is held locally or received"
     kv_index = expand_ranges(src[piece], piece_len)
+    # The distinct remote KV: per doc this rank holds, the peers' pieces below the end E of
+    # its last shard of the doc (every own shard of the doc attends a prefix of [0, E)).
+    docs_mine = np.unique(a.dd[lo:hi])
+    e_doc = need_i[docs_mine]
+    first = np.searchsorted(a.doc_key, docs_mine * a.key_stride)
+    count = np.searchsorted(a.doc_key, docs_mine * a.key_stride + e_doc) - first
+    piece = a.by_doc[expand_ranges(first, count)]
+    piece_len = np.minimum(a.end[piece], np.repeat(e_doc, count)) - a.start[piece]
+    far = ~mine[piece]
+    piece, piece_len = piece[far], piece_len[far]
+    remote = (
+        expand_ranges(src[piece] - t, piece_len),
+        np.repeat(a.doc[piece], piece_len),
+        expand_ranges(a.start[piece], piece_len),
+    )
 
     if mode == "alltoallv":
         splits = tuple(int(x) for x in recv_splits)
         moved = int((a.need - a.held).sum())
         return CommMap(
             mode, "all_to_all" if moved else "none", send_index, 0, send_splits, splits,
-            int(recv_splits.sum()), kv_index,
+            int(recv_splits.sum()), kv_index, *remote,
         )
     peers = n - 1
     splits = tuple(0 if p == coll[i] else rows for p in range(n))
     return CommMap(
         mode, "all_gather" if rows and peers else "none", send_index, rows, splits, splits,
-        peers * rows, kv_index,
+        peers * rows, kv_index, *remote,
     )
 
 
@@ -338,3 +360,17 @@ def planned_recv_tokens(plan: Plan, rank: int, mode: str) -> int:
     volumes = CommVolumes(alltoallv_recv=stats.alltoallv_recv, allgather_send=stats.allgather_send)
     tokens = stats.tokens[slot] + group.padding[slot]
     return recv_tokens_by_mode(mode, volumes, tokens)[slot]
+
+
+def planned_kv_tokens_peak(plan: Plan, rank: int, mode: str) -> int:
+    """KV tokens ``rank`` holds at once per layer in ``mode`` (a gather mode or
+    ``p2p_ring``) by the plan's figures (``cost.kv_tokens_peak``; the plan's own mode is
+    ``rank_stats.kv_tokens_peak``)."""
+    gi, slot = find_slot(plan, rank)
+    if gi < 0:
+        return 0
+    group = plan.groups[gi]
+    stats = group.rank_stats
+    volumes = CommVolumes(alltoallv_recv=stats.alltoallv_recv, allgather_send=stats.allgather_send)
+    tokens = stats.tokens[slot] + group.padding[slot]
+    return kv_tokens_peak(mode, volumes, stats.tokens, tokens)[slot]

@@ -1,8 +1,9 @@
 """Spawn a gloo world on loopback for tests, benchmarks and the profiler.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes, runs
-``fn(rank, world_size, *args)`` in each with torch.distributed initialised (gloo, TCP on
-127.0.0.1, a free port), and returns the per-rank results in rank order. A child's
+``fn(rank, world_size, *args)`` in each with torch.distributed initialised (gloo, or NCCL
+with one CUDA device per rank; TCP on 127.0.0.1, a free port), and returns the per-rank
+results in rank order. A child's
 exception comes back as ``DistributedFailure`` with its traceback; a world that does not
 finish within ``timeout_s`` is terminated (only the processes started here) and raises
 TimeoutError, so a hang never blocks a test run.
@@ -43,15 +44,17 @@ def free_port() -> int:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           results: Any, pg_timeout_s: float, threads: int) -> None:
+           results: Any, pg_timeout_s: float, threads: int, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
         results.put((rank, True, fn(rank, world_size, *args)))
@@ -69,8 +72,11 @@ def run_distributed(
     timeout_s: float = 120.0,
     pg_timeout_s: float = 60.0,
     threads: int = 1,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Results of ``fn(rank, world_size, *args)`` on every rank (see module docstring).
+
+    ``backend="nccl"`` puts rank r on CUDA device r (the caller checks there are enough).
 
     ``fn`` and ``args`` must be picklable (a module-level function). Raises
     DistributedFailure if any rank raised, TimeoutError if the world did not finish.
@@ -79,7 +85,7 @@ def run_distributed(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, pg_timeout_s, threads))
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, pg_timeout_s, threads, backend))
         for r in range(world_size)
     ]
     for p in procs:

@@ -133,6 +133,27 @@ def recv_tokens_by_mode(mode: str, volumes: CommVolumes, tokens_per_rank: int) -
     raise ValueError(f"comm_mode {mode!r} is unknown")
 
 
+def kv_tokens_peak(
+    mode: str, volumes: CommVolumes, tokens: Sequence[int], tokens_per_rank: int
+) -> tuple[int, ...]:
+    """Per rank, the KV tokens the worker runtime holds at once for one layer's attention.
+
+    Gather modes (full, compact all-gather, all-to-all-v): the rank's own tokens plus one
+    copy of every remote token it attends (per doc, the prefix up to its last shard's end),
+    kept from forward to backward: ``tokens + alltoallv_recv``. The transient receive
+    buffer of the full and compact exchanges is freed before the kernel runs.
+    ``p2p_ring``: own tokens plus the block being attended and the one in flight
+    (``min(N - 1, 2)`` blocks of ``tokens_per_rank`` rows); backward re-circulates the
+    blocks, so nothing remote is kept between the passes.
+    """
+    n = len(volumes.alltoallv_recv)
+    if mode == "p2p_ring":
+        return tuple(t + min(n - 1, 2) * tokens_per_rank for t in tokens)
+    if mode in ("full", "compact_allgather", "alltoallv"):
+        return tuple(t + r for t, r in zip(tokens, volumes.alltoallv_recv, strict=True))
+    raise ValueError(f"comm_mode {mode!r} is unknown")
+
+
 def saving(tokens: int, full_tokens: int) -> float:
     """1 - tokens / full_tokens; 0.0 when the full exchange moves nothing."""
     return 0.0 if full_tokens == 0 else 1.0 - tokens / full_tokens

@@ -84,6 +84,7 @@ def group_metrics(
         workload=tuple(workloads),
         alltoallv_recv=volumes.alltoallv_recv,
         allgather_send=volumes.allgather_send,
+        kv_tokens_peak=cost.kv_tokens_peak(comm_mode, volumes, tokens, tokens_per_rank),
     )
     return metrics, stats
 

@@ -102,6 +102,9 @@ class RankStats:
     """KV tokens each rank receives in the exact all-to-all-v."""
     allgather_send: tuple[int, ...]
     """Compact all-gather buffer each rank contributes (before padding to equal size)."""
+    kv_tokens_peak: tuple[int, ...]
+    """KV tokens the worker runtime holds at once per layer on each rank in the plan's comm
+    mode (``cost.kv_tokens_peak``): what a per-rank KV memory bound limits."""
 
     def to_dict(self) -> dict[str, list[int]]:
         return {f.name: list(getattr(self, f.name)) for f in fields(self)}
