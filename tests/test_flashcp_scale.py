@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -263,3 +264,18 @@ assert not slow, slow
 
 def test_cold_start_loads_neither_or_tools_nor_pandas():
     subprocess.run([sys.executable, "-c", COLD], check=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=6), st.integers(1, 40))
+def test_per_doc_zigzag_equals_zigzag_doc_shards(doc_lengths, n):
+    from planner_service.solvers.common import zigzag_doc_shards
+    from planner_service.solvers.flashcp.paper import per_doc_zigzag
+
+    cap = -(-sum(doc_lengths) // n)
+    fast, slow = Ranks(n, cap), Ranks(n, cap)
+    for doc, length in enumerate(doc_lengths):
+        per_doc_zigzag(fast, doc, length)
+        for rank, shard in zigzag_doc_shards(doc, length, n, np.array(slow.tokens)):
+            slow.add(rank, shard.doc, shard.start, shard.end)
+        assert (fast.shards, fast.tokens, fast.work) == (slow.shards, slow.tokens, slow.work)

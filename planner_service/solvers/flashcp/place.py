@@ -103,6 +103,22 @@ def place(
             if v == version[r]:
                 heapq.heappush(heap, (work[r] - tokens[r] * density, r, v))
         most = cap - length  # tokens a rank may hold to have room for the doc
+        if most < 0 and heap:
+            # No rank has room: the loop below would park every current entry one by one.
+            current = [(tokens[r] - cap, r, v) for _, r, v in heap if v == version[r]]
+            heap.clear()
+            if len(current) + len(parked) > 2 * n:
+                # Drop the stale parked entries (popped and skipped otherwise): at most one
+                # current entry per rank is left.
+                parked[:] = [e for e in parked if e[2] == version[e[1]]]
+                parked.extend(current)
+                heapq.heapify(parked)
+            elif len(current) > len(parked) // 8:
+                parked.extend(current)
+                heapq.heapify(parked)  # the same entries as pushed one by one
+            else:
+                for entry in current:
+                    heapq.heappush(parked, entry)
         best, refreshed = -1, 0
         while heap:
             key, r, v = heap[0]
@@ -152,7 +168,23 @@ def place(
         for r, held in zip(chosen, before, strict=True):
             if tokens[r] > held:  # the prefix up to its top chunk, less its own tokens
                 need[r] += shards[r][-1][2] - (tokens[r] - held)
-            changed(r)
+            version[r] += 1
+        # changed(r) for every chosen rank; many at once are added by one heapify (the same
+        # entries: the heaps pop the same), and the lightest heap, whose every rank's
+        # current entry is all that counts, is then rebuilt.
+        entries = [(work[r] - tokens[r] * density, r, version[r]) for r in chosen]
+        if len(entries) > len(heap) // 8:
+            heap.extend(entries)
+            heapq.heapify(heap)
+        else:
+            for entry in entries:
+                heapq.heappush(heap, entry)
+        if len(chosen) > n // 4:
+            lightest[:] = [(w, r) for r, w in enumerate(work)]
+            heapq.heapify(lightest)
+        else:
+            for r in chosen:
+                heapq.heappush(lightest, (work[r], r))
     return ranks, spill
 
 
@@ -167,8 +199,9 @@ def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill
     for any rank's room, or too narrow for even the lightest rank to stay within
     ``allowed``, are skipped (they cannot succeed)."""
     n = len(ranks.work)
-    work = np.array(ranks.work, dtype=np.float64)
-    tokens = np.array(ranks.tokens, dtype=np.float64)
+    # Through int64 (exact: workloads stay below 2^62): twice as fast as straight to float.
+    work = np.array(ranks.work, dtype=np.int64).astype(np.float64)
+    tokens = np.array(ranks.tokens, dtype=np.int64).astype(np.float64)
     room = ranks.capacity - tokens
     # Lag order: ascending work - tokens x density, ties by rank (a stable sort).
     by_lag = np.argsort(work - tokens * density, kind="stable")

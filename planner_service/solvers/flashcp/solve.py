@@ -214,21 +214,25 @@ def _choose(
     found.sort(key=lambda c: c[:2])
     mean = total_work / n
     slack = 1.0 if len(doc_lengths) * n <= FULL_SLACK_BUDGET else DESCENT_SLACK
-    pool: list[tuple[Ranks, tuple[int, int]]] = []  # (layout, tie-break)
+    # (layout, tie-break, its cost if already known: the receive found measured, under
+    # all-to-all-v, for a layout not descended since)
+    pool: list[tuple[Ranks, tuple[int, int], tuple[int, ...] | None]] = []
     descended = 0
-    for _, index, ranks, descend_it in found:
+    for receive, index, ranks, descend_it in found:
+        known: tuple[int, ...] | None = (receive,) if comm_mode == "alltoallv" else None
         if descend_it and descended < DESCENDED:
             if comm_mode == "compact_allgather":
-                pool.append((ranks.copy(), (index, 1)))  # the descent may add buffer tokens
+                pool.append((ranks.copy(), (index, 1), None))  # the descent may add buffer tokens
             descend(ranks, mean + slack * (allowed - mean), steps)
             descended += 1
-        pool.append((ranks, (index, 0)))
+            known = None
+        pool.append((ranks, (index, 0), known))
     if comm_mode == "compact_allgather":
         imb, paper, _ = algorithm1(doc_lengths, n, target,
                                    max_per_doc=paper_rounds(len(doc_lengths), n))
         if imb <= target:
-            pool.append((paper, (len(found), 0)))
-    best = min(pool, key=lambda c: (cost(c[0]), c[1]))[0]
+            pool.append((paper, (len(found), 0), None))
+    best = min(pool, key=lambda c: (cost(c[0]) if c[2] is None else c[2], c[1]))[0]
     return best.shards, zigzagged(best)
 
 
