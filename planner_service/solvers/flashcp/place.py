@@ -105,19 +105,19 @@ def place(
         most = cap - length  # tokens a rank may hold to have room for the doc
         if most < 0 and heap:
             # No rank has room: the loop below would park every current entry one by one.
-            current = [(tokens[r] - cap, r, v) for _, r, v in heap if v == version[r]]
+            moving = [(tokens[r] - cap, r, v) for _, r, v in heap if v == version[r]]
             heap.clear()
-            if len(current) + len(parked) > 2 * n:
+            if len(moving) + len(parked) > 2 * n:
                 # Drop the stale parked entries (popped and skipped otherwise): at most one
                 # current entry per rank is left.
                 parked[:] = [e for e in parked if e[2] == version[e[1]]]
-                parked.extend(current)
+                parked.extend(moving)
                 heapq.heapify(parked)
-            elif len(current) > len(parked) // 8:
-                parked.extend(current)
+            elif len(moving) > len(parked) // 8:
+                parked.extend(moving)
                 heapq.heapify(parked)  # the same entries as pushed one by one
             else:
-                for entry in current:
+                for entry in moving:
                     heapq.heappush(parked, entry)
         best, refreshed = -1, 0
         while heap:
@@ -177,8 +177,8 @@ def place(
             heap.extend(entries)
             heapq.heapify(heap)
         else:
-            for entry in entries:
-                heapq.heappush(heap, entry)
+            for keyed in entries:
+                heapq.heappush(heap, keyed)
         if len(chosen) > n // 4:
             lightest[:] = [(w, r) for r, w in enumerate(work)]
             heapq.heapify(lightest)
