@@ -161,7 +161,8 @@ def algorithm1(
     doc_lengths: Sequence[int], n: int, target: float, *, max_per_doc: int = MAX_PER_DOC
 ) -> tuple[float, Ranks, list[int]]:
     """Algorithm 1 (module docstring): (imbalance, layout, Per-Doc docs ascending)."""
-    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    # Longest first, ties by index (a stable sort of the negated lengths; lengths < 2^31).
+    order = np.argsort(-np.array(doc_lengths, dtype=np.int64), kind="stable").tolist()
     allowed = target * sum(map(doc_workload, doc_lengths)) / n
     per_doc = Ranks(n, -(-sum(doc_lengths) // n))  # the Per-Doc part, one more doc per k
     best: tuple[float, Ranks, list[int]] | None = None

@@ -77,18 +77,15 @@ def place(
     heap: list[tuple[float, int, int]] = [(0.0, r, 0) for r in range(n)]
     parked: list[tuple[int, int, int]] = []  # (-room, rank, version): no room for the docs so far
     lightest: list[tuple[int, int]] = [(0, r) for r in range(n)]  # (work, rank), lazily current
+    dirty: list[int] = []  # ranks given a whole doc since ``lightest`` was last read
     density = float("inf")
     need = [0] * n  # KV each rank needs so far (cost.alltoallv_receives, kept up to date)
+    heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
     def rebuild() -> None:
         heap[:] = [(work[r] - tokens[r] * density, r, version[r]) for r in range(n)]
         heapq.heapify(heap)
         parked.clear()
-
-    def changed(rank: int) -> None:
-        version[rank] += 1
-        heapq.heappush(heap, (work[rank] - tokens[rank] * density, rank, version[rank]))
-        heapq.heappush(lightest, (work[rank], rank))
 
     for doc in order:
         length = doc_lengths[doc]
@@ -99,9 +96,9 @@ def place(
         if density > previous:
             rebuild()  # stored keys are lower bounds only while the density falls
         while parked and -parked[0][0] >= length:
-            _, r, v = heapq.heappop(parked)
+            _, r, v = heappop(parked)
             if v == version[r]:
-                heapq.heappush(heap, (work[r] - tokens[r] * density, r, v))
+                heappush(heap, (work[r] - tokens[r] * density, r, v))
         most = cap - length  # tokens a rank may hold to have room for the doc
         if most < 0 and heap:
             # No rank has room: the loop below would park every current entry one by one.
@@ -123,14 +120,14 @@ def place(
         while heap:
             key, r, v = heap[0]
             if v != version[r]:
-                heapq.heappop(heap)
+                heappop(heap)
             elif tokens[r] > most:
-                heapq.heappop(heap)
-                heapq.heappush(parked, (tokens[r] - cap, r, v))
+                heappop(heap)
+                heappush(parked, (tokens[r] - cap, r, v))
             else:
                 current = work[r] - tokens[r] * density
                 if current != key and refreshed < REFRESH:
-                    heapq.heapreplace(heap, (current, r, v))
+                    heapreplace(heap, (current, r, v))
                     refreshed += 1
                     continue
                 best = r
@@ -141,11 +138,19 @@ def place(
             tokens[best] += length
             work[best] += doc_work
             version[best] += 1
-            heapq.heapreplace(heap, (work[best] - tokens[best] * density, best, version[best]))
-            heapq.heappush(lightest, (work[best], best))
+            heapreplace(heap, (work[best] - tokens[best] * density, best, version[best]))
+            dirty.append(best)
             continue
+        # The lightest heap gets the ranks whole docs went to since it was last read.
+        if len(dirty) > n // 4:
+            lightest[:] = [(w, r) for r, w in enumerate(work)]
+            heapq.heapify(lightest)
+        else:
+            for r in dirty:
+                heappush(lightest, (work[r], r))
+        dirty.clear()
         while lightest[0][0] != work[lightest[0][1]]:
-            heapq.heappop(lightest)
+            heappop(lightest)
         if lightest[0][0] + doc_work <= allowed or length < 2:
             spill.append((doc, length))  # light enough (or one token) but no room: split for tokens
             continue
@@ -169,9 +174,9 @@ def place(
             if tokens[r] > held:  # the prefix up to its top chunk, less its own tokens
                 need[r] += shards[r][-1][2] - (tokens[r] - held)
             version[r] += 1
-        # changed(r) for every chosen rank; many at once are added by one heapify (the same
-        # entries: the heaps pop the same), and the lightest heap, whose every rank's
-        # current entry is all that counts, is then rebuilt.
+        # Each chosen rank's new entry in both heaps; many at once are added by one heapify
+        # (the same entries: the heaps pop the same), and the lightest heap, whose every
+        # rank's current entry is all that counts, is then rebuilt.
         entries = [(work[r] - tokens[r] * density, r, version[r]) for r in chosen]
         if len(entries) > len(heap) // 8:
             heap.extend(entries)

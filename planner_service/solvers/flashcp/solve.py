@@ -48,6 +48,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.cost import alltoallv_receives, comm_volumes, doc_workload, imbalance
 from planner_service.core.plan import Shard
@@ -170,7 +172,8 @@ def flashcp_shards(
     """Per-rank shards and the docs held as zigzag pairs (module docstring)."""
     n = num_ranks
     cost = objective(comm_mode)
-    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    # Longest first, ties by index (a stable sort of the negated lengths; lengths < 2^31).
+    order = np.argsort(-np.array(doc_lengths, dtype=np.int64), kind="stable").tolist()
     total_work = sum(length * (length + 1) for length in doc_lengths) // 2  # sum of doc_workload
     allowed = target * total_work / n
     fallback: tuple[float, Ranks] | None = None
