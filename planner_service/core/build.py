@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import repeat
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -56,9 +56,10 @@ def canonical_group(
     if raw is None:
         return tuple(canonical_shards(rank) for rank in shards_per_rank), None
     n = len(shards_per_rank)
-    keep = raw.end > raw.start
-    rank, doc, start, end = raw.rank[keep], raw.doc[keep], raw.start[keep], raw.end[keep]
+    kept = np.flatnonzero(raw.end > raw.start)
+    rank, doc, start, end = raw.rank[kept], raw.doc[kept], raw.start[kept], raw.end[kept]
     order = np.lexsort((end, start, doc, rank))
+    source = kept[order]  # each sorted shard's index among the input shards
     rank, doc, start, end = rank[order], doc[order], start[order], end[order]
     merges = np.zeros(len(rank), dtype=bool)
     if len(rank) > 1:
@@ -67,8 +68,12 @@ def canonical_group(
     lasts = np.append(heads[1:], len(rank))[: len(heads)] - 1
     rank, doc, start, end = rank[heads], doc[heads], start[heads], end[lasts]
     bounds = np.searchsorted(rank, np.arange(n + 1))
-    columns = zip(doc.tolist(), start.tolist(), end.tolist(), strict=True)
-    flat = list(map(new_shard, repeat(Shard), columns))
+    # The input's own shard objects where nothing merged (as ``canonical_shards``: new
+    # tuples cost time, mostly the garbage collector's), new ones for the merged runs.
+    given = list(chain.from_iterable(shards_per_rank))
+    flat = [given[i] for i in source[heads].tolist()]
+    for j in np.flatnonzero(lasts != heads).tolist():
+        flat[j] = new_shard(Shard, (int(doc[j]), int(start[j]), int(end[j])))
     cuts = bounds.tolist()
     shards = tuple(tuple(flat[cuts[i]:cuts[i + 1]]) for i in range(n))
     return shards, ShardArrays(rank, doc, start, end, bounds)
