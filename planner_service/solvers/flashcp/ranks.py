@@ -7,6 +7,7 @@ O(L / m + m) for an equal zigzag of one doc over m ranks; ``zigzagged`` O(s log 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import numpy as np
 
@@ -47,20 +48,21 @@ def zigzag(ranks: Ranks, chosen: Sequence[int], doc: int, length: int) -> None:
     i-th (Per-Doc sharding over a subset): near-equal workloads, two shards per rank."""
     m = len(chosen)
     base, extra = divmod(length, 2 * m)
-    sizes = [base] * (2 * m)
     # The remainder goes one token per rank (low chunks first, then high chunks), so no
-    # rank holds more than ceil(L / m) tokens of the doc.
-    for k in range(extra):
-        sizes[k if k < m else 2 * m - 1 - (k - m)] += 1
-    starts = [0] * (2 * m + 1)
-    for chunk, size in enumerate(sizes):
-        starts[chunk + 1] = starts[chunk] + size
-    # ranks.add inlined for chunks i and 2m - 1 - i (a doc over many ranks adds 2m shards).
-    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    # rank holds more than ceil(L / m) tokens of the doc: the first min(extra, m) low
+    # chunks and the last extra - m high chunks (chunk 2m - 1 - (k - m) for the k-th token).
+    low_extra, high_extra = min(extra, m), max(0, extra - m)
+    sizes = ([base + 1] * low_extra + [base] * (2 * m - low_extra - high_extra)
+             + [base + 1] * high_extra)
+    starts = list(accumulate(sizes, initial=0))
     top = 2 * m
-    for i, rank in enumerate(chosen):
+    # Rank i holds chunks i and 2m - 1 - i: [a, b) and [c, d). ranks.add inlined (a doc
+    # over many ranks adds 2m shards).
+    columns = zip(chosen, starts[:m], starts[1 : m + 1], starts[top - 1 : m - 1 : -1],
+                  starts[top:m:-1], strict=True)
+    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    for rank, a, b, c, d in columns:
         held = shards[rank]
-        a, b, c, d = starts[i], starts[i + 1], starts[top - 1 - i], starts[top - i]
         if b > a:
             held.append(new_shard(Shard, (doc, a, b)))
         if d > c:
