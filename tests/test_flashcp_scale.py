@@ -309,3 +309,15 @@ def test_zigzag_equals_the_chunk_by_chunk_reference(n, data):
         zigzag(fast, chosen, doc, length)
         zigzag_reference(slow, chosen, doc, length)
         assert (fast.shards, fast.tokens, fast.work) == (slow.shards, slow.tokens, slow.work)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=6),
+                min_size=1, max_size=5))
+def test_zigzagged_equals_the_shard_by_shard_reference(per_rank):
+    from planner_service.core.plan import Shard
+    from planner_service.solvers.flashcp.ranks import zigzagged, zigzagged_reference
+
+    ranks = Ranks(len(per_rank), 100)
+    ranks.shards = [[Shard(doc, start, start + 1) for doc, start in rank] for rank in per_rank]
+    assert zigzagged(ranks) == zigzagged_reference(ranks)

@@ -1,17 +1,15 @@
 """The layout under construction: per-rank shards, token counts and workloads.
 
 Every operation here is O(1) per shard added (``Ranks.add``), O(N + shards) to copy, and
-O(L / m + m) for an equal zigzag of one doc over m ranks; ``zigzagged`` O(s log s).
+O(L / m + m) for an equal zigzag of one doc over m ranks; ``zigzagged`` O(s).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import accumulate
+from operator import itemgetter
 
-import numpy as np
-
-from planner_service.core.cost import shard_arrays
 from planner_service.core.plan import Shard
 
 new_shard = tuple.__new__
@@ -71,17 +69,23 @@ def zigzag(ranks: Ranks, chosen: Sequence[int], doc: int, length: int) -> None:
         work[rank] += (a + b + 1) * (b - a) // 2 + (c + d + 1) * (d - c) // 2
 
 
+_doc_of = itemgetter(0)
+
+
 def zigzagged(ranks: Ranks) -> list[int]:
-    """Docs held as two or more shards on one rank (zigzag), ascending. O(s log s) in
-    numpy for s shards (``zigzagged_reference`` where positions exceed int64's safe
-    range)."""
-    arrays = shard_arrays(ranks.shards)
-    if arrays is None:
-        return zigzagged_reference(ranks)
-    order = np.lexsort((arrays.doc, arrays.rank))
-    rank, doc = arrays.rank[order], arrays.doc[order]
-    twice = (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1])
-    return np.unique(doc[1:][twice]).tolist()
+    """Docs held as two or more shards on one rank (zigzag), ascending. O(s): a rank's
+    docs are scanned one by one only if some doc repeats on it."""
+    out: set[int] = set()
+    for shards in ranks.shards:
+        docs = list(map(_doc_of, shards))
+        if len(set(docs)) < len(docs):
+            seen: set[int] = set()
+            for doc in docs:
+                if doc in seen:
+                    out.add(doc)
+                else:
+                    seen.add(doc)
+    return sorted(out)
 
 
 def zigzagged_reference(ranks: Ranks) -> list[int]:
