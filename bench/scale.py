@@ -2,6 +2,8 @@
 
     python -m bench.scale            # the full run (under 10 minutes on 2 quiet cores)
     python -m bench.scale --quick    # a few seconds: every part, tiny sizes
+    python -m bench.scale --only-n 1024 --only-tokens 131072 --parts nsweep \
+        --out bench/results/scale_slice.md   # one slice (``bench.scale_compare``: two trees)
 
 Writes ``--out`` (markdown), the same figures as JSON beside it, and a log-log plot (PNG).
 
@@ -57,14 +59,14 @@ class Config:
         self.quick = quick
         self.sources = ("wlbllm", "pile") if quick else (
             *SHARED, *(f"family:{name}" for name in sorted(FAMILIES)))
-        self.contexts = (32768, 131072) if quick else (32768, 131072, 524288, 2097152)
-        self.cps = (2, 8, 64) if quick else (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+        self.contexts: tuple[int, ...] = (32768, 131072) if quick else (32768, 131072, 524288, 2097152)
+        self.cps: tuple[int, ...] = (2, 8, 64) if quick else (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
         # Sequences per source: fewer at the largest token counts.
         self.sequences = {c: 1 for c in self.contexts} if quick else {
             32768: 6, 131072: 6, 524288: 3, 2097152: 2}
         self.docs = (10, 100, 1000) if quick else (10, 100, 1000, 10_000, 100_000)
         self.doc_tokens = 1 << 16 if quick else 2097152
-        self.doc_cps = (8, 64) if quick else (8, 1024)
+        self.doc_cps: tuple[int, ...] = (8, 64) if quick else (8, 1024)
         self.corpus_sequences = 3 if quick else 200
         self.quality_sequences = 3 if quick else 100
 
@@ -240,7 +242,8 @@ def plot(n_rows: list[dict], doc_rows: list[dict], path: Path) -> None:
     left.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="ms",
              title="flashcp solve time against N")
     left.xaxis.set_minor_formatter(NullFormatter())
-    left.legend(fontsize=7)
+    if n_rows:
+        left.legend(fontsize=7)
     for n in sorted({r["n"] for r in doc_rows}):
         rows = [r for r in doc_rows if r["n"] == n]
         ds = [r["docs"] for r in rows]
@@ -248,7 +251,8 @@ def plot(n_rows: list[dict], doc_rows: list[dict], path: Path) -> None:
         right.plot(ds, [r["layout_ms"]["median"] for r in rows], linestyle="--", label=f"N = {n} layout")
     right.set(xscale="log", yscale="log", xlabel="documents D", ylabel="ms",
               title="against the number of documents")
-    right.legend(fontsize=7)
+    if doc_rows:
+        right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -287,10 +291,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sequences", type=int, default=None,
                         help="sequences per quality cell (default 100, quick 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only-n", type=int, nargs="+", default=None,
+                        help="only these N in the N and docs sweeps")
+    parser.add_argument("--only-tokens", type=int, nargs="+", default=None,
+                        help="only these token counts in the N sweep")
+    parser.add_argument("--parts", default="nsweep,docs,adversarial,quality",
+                        help="comma-separated subset of nsweep, docs, adversarial, quality")
     parser.add_argument("--out", default=None,
                         help="default bench/results/scale.md (quick: scale_quick.md)")
     args = parser.parse_args(argv)
     cfg = Config(args.quick)
+    if args.only_n:
+        cfg.cps = tuple(n for n in cfg.cps if n in args.only_n) or tuple(args.only_n)
+        cfg.doc_cps = tuple(n for n in cfg.doc_cps if n in args.only_n) or tuple(args.only_n)
+    if args.only_tokens:
+        cfg.contexts = tuple(args.only_tokens)
+        cfg.sequences = {c: cfg.sequences.get(c, 2) for c in cfg.contexts}
+    parts = set(args.parts.split(","))
     per_cell = args.sequences or cfg.quality_sequences
     started = time.time()
     cpu_started = time.process_time()
@@ -305,10 +322,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"written to {out}")
         return
     out = Path(args.out or ("bench/results/scale_quick.md" if args.quick else "bench/results/scale.md"))
-    n_rows = n_sweep(cfg)
-    doc_rows = doc_sweep(cfg)
-    adv_rows = adversarial(cfg)
-    cells = quality(per_cell, args.seed)
+    n_rows = n_sweep(cfg) if "nsweep" in parts else []
+    doc_rows = doc_sweep(cfg) if "docs" in parts else []
+    adv_rows = adversarial(cfg) if "adversarial" in parts else []
+    cells = quality(per_cell, args.seed) if "quality" in parts else []
     slopes = exponents(n_rows, doc_rows)
     load_after = os.getloadavg()
     wall = time.time() - started

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -263,3 +264,60 @@ assert not slow, slow
 
 def test_cold_start_loads_neither_or_tools_nor_pandas():
     subprocess.run([sys.executable, "-c", COLD], check=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=6), st.integers(1, 40))
+def test_per_doc_zigzag_equals_zigzag_doc_shards(doc_lengths, n):
+    from planner_service.solvers.common import zigzag_doc_shards
+    from planner_service.solvers.flashcp.paper import per_doc_zigzag
+
+    cap = -(-sum(doc_lengths) // n)
+    fast, slow = Ranks(n, cap), Ranks(n, cap)
+    for doc, length in enumerate(doc_lengths):
+        per_doc_zigzag(fast, doc, length)
+        for rank, shard in zigzag_doc_shards(doc, length, n, np.array(slow.tokens)):
+            slow.add(rank, shard.doc, shard.start, shard.end)
+        assert (fast.shards, fast.tokens, fast.work) == (slow.shards, slow.tokens, slow.work)
+
+
+def zigzag_reference(ranks, chosen, doc, length):
+    """``ranks.zigzag`` chunk by chunk: 2m chunks, the L mod 2m extra tokens one each to
+    chunks 0, 1, ..., m - 1, then 2m - 1, 2m - 2, ...; chunk i and 2m - 1 - i on the i-th
+    rank, added by ``Ranks.add``."""
+    m = len(chosen)
+    base, extra = divmod(length, 2 * m)
+    sizes = [base] * (2 * m)
+    for k in range(extra):
+        sizes[k if k < m else 2 * m - 1 - (k - m)] += 1
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    for i, rank in enumerate(chosen):
+        for chunk in (i, 2 * m - 1 - i):
+            if sizes[chunk]:
+                ranks.add(rank, doc, starts[chunk], starts[chunk + 1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 12), st.data())
+def test_zigzag_equals_the_chunk_by_chunk_reference(n, data):
+    fast, slow = Ranks(n, 10**6), Ranks(n, 10**6)
+    for doc in range(data.draw(st.integers(1, 4))):
+        chosen = data.draw(st.permutations(range(n)))[: data.draw(st.integers(1, n))]
+        length = data.draw(st.integers(1, 60))
+        zigzag(fast, chosen, doc, length)
+        zigzag_reference(slow, chosen, doc, length)
+        assert (fast.shards, fast.tokens, fast.work) == (slow.shards, slow.tokens, slow.work)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=6),
+                min_size=1, max_size=5))
+def test_zigzagged_equals_the_shard_by_shard_reference(per_rank):
+    from planner_service.core.plan import Shard
+    from planner_service.solvers.flashcp.ranks import zigzagged, zigzagged_reference
+
+    ranks = Ranks(len(per_rank), 100)
+    ranks.shards = [[Shard(doc, start, start + 1) for doc, start in rank] for rank in per_rank]
+    assert zigzagged(ranks) == zigzagged_reference(ranks)

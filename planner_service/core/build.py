@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
-from planner_service.core.metrics import group_metrics, plan_metrics
+import numpy as np
+
+from planner_service.core.cost import ShardArrays, per_rank_sums, shard_arrays
+from planner_service.core.metrics import group_metrics_of, plan_metrics
 from planner_service.core.model import ModelSpec
-from planner_service.core.plan import Group, Plan, Shard, content_hash
+from planner_service.core.plan import Group, Plan, Shard, plan_hash
+
+new_shard = tuple.__new__
+"""``new_shard(Shard, (doc, start, end))``: a Shard without NamedTuple's Python-level
+``__new__``."""
 
 
 class GroupLayout(NamedTuple):
@@ -35,6 +43,42 @@ def canonical_shards(shards: Iterable[Shard]) -> tuple[Shard, ...]:
     return tuple(out)
 
 
+def canonical_group(
+    shards_per_rank: Sequence[Sequence[Shard]],
+) -> tuple[tuple[tuple[Shard, ...], ...], ShardArrays | None]:
+    """``canonical_shards`` of every rank, and the result as ``ShardArrays`` (None where
+    int64 could overflow: then rank by rank). O(s log s) for s shards, in numpy.
+
+    Sorted by (rank, doc, start, end) with the empty shards dropped, a shard merges into
+    the one before it when both are on one rank, of one doc, and the earlier ends where it
+    starts; a run of merges ends at its last shard's end, as ``canonical_shards`` does."""
+    raw = shard_arrays(shards_per_rank)
+    if raw is None:
+        return tuple(canonical_shards(rank) for rank in shards_per_rank), None
+    n = len(shards_per_rank)
+    kept = np.flatnonzero(raw.end > raw.start)
+    rank, doc, start, end = raw.rank[kept], raw.doc[kept], raw.start[kept], raw.end[kept]
+    order = np.lexsort((end, start, doc, rank))
+    source = kept[order]  # each sorted shard's index among the input shards
+    rank, doc, start, end = rank[order], doc[order], start[order], end[order]
+    merges = np.zeros(len(rank), dtype=bool)
+    if len(rank) > 1:
+        merges[1:] = (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1]) & (end[:-1] == start[1:])
+    heads = np.flatnonzero(~merges)
+    lasts = np.append(heads[1:], len(rank))[: len(heads)] - 1
+    rank, doc, start, end = rank[heads], doc[heads], start[heads], end[lasts]
+    bounds = np.searchsorted(rank, np.arange(n + 1))
+    # The input's own shard objects where nothing merged (as ``canonical_shards``: new
+    # tuples cost time, mostly the garbage collector's), new ones for the merged runs.
+    given = list(chain.from_iterable(shards_per_rank))
+    flat = [given[i] for i in source[heads].tolist()]
+    for j in np.flatnonzero(lasts != heads).tolist():
+        flat[j] = new_shard(Shard, (int(doc[j]), int(start[j]), int(end[j])))
+    cuts = bounds.tolist()
+    shards = tuple(tuple(flat[cuts[i]:cuts[i + 1]]) for i in range(n))
+    return shards, ShardArrays(rank, doc, start, end, bounds)
+
+
 def build_plan(
     layout: Layout,
     *,
@@ -55,17 +99,24 @@ def build_plan(
     groups = []
     measured = []
     for g in layout.groups:
-        shards = tuple(canonical_shards(rank) for rank in g.shards)
-        tokens = [sum(s.end - s.start for s in rank) for rank in shards]
+        shards, arrays = canonical_group(
+            [rank if isinstance(rank, (list, tuple)) else list(rank) for rank in g.shards]
+        )
+        if arrays is None:
+            tokens = [sum(s.end - s.start for s in rank) for rank in shards]
+            docs = tuple(sorted({s.doc for rank in shards for s in rank}))
+        else:
+            tokens = per_rank_sums(arrays.end - arrays.start, arrays.bounds).tolist()
+            docs = tuple(np.unique(arrays.doc).tolist())
         padding = tuple(max(tokens) - t for t in tokens)
-        metrics, stats = group_metrics(
-            shards, padding, comm_mode=comm_mode, model=model, kernel=kernel, link=link
+        metrics, stats = group_metrics_of(
+            arrays, shards, padding, comm_mode=comm_mode, model=model, kernel=kernel, link=link
         )
         measured.append((metrics, stats))
         groups.append(
             Group(
                 ranks=tuple(g.ranks),
-                docs=tuple(sorted({s.doc for rank in shards for s in rank})),
+                docs=docs,
                 shards=shards,
                 padding=padding,
                 metrics=metrics,
@@ -86,4 +137,4 @@ def build_plan(
         info=dict(sorted(layout.info.items())),
     )
     draft = Plan(**fields, plan_id="")
-    return Plan(**fields, plan_id=content_hash(draft.body_dict()))
+    return Plan(**fields, plan_id=plan_hash(draft))

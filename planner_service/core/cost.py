@@ -16,7 +16,10 @@ Formulas (DESIGN.md section 3; FlashCP, arXiv:2606.08476, section 3):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import NamedTuple
+
+import numpy as np
 
 from planner_service.core.plan import Shard
 
@@ -157,3 +160,120 @@ def kv_tokens_peak(
 def saving(tokens: int, full_tokens: int) -> float:
     """1 - tokens / full_tokens; 0.0 when the full exchange moves nothing."""
     return 0.0 if full_tokens == 0 else 1.0 - tokens / full_tokens
+
+
+# Vectorised forms of the figures above, for groups with many shards (core/metrics.py and
+# core/build.py); tests compare them with the functions above on random inputs.
+
+
+class ShardArrays(NamedTuple):
+    """A group's shards as flat int64 arrays, rank by rank: rank i's shards are entries
+    ``bounds[i]:bounds[i + 1]``."""
+
+    rank: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    bounds: np.ndarray
+    """Length N + 1."""
+
+
+def shard_arrays(shards_per_rank: Sequence[Sequence[Shard]]) -> ShardArrays | None:
+    """The shards as ``ShardArrays``; None where int64 arithmetic could overflow (a doc,
+    start or end outside [0, 2^31), an end before its start, or more than 2^62 workload in
+    all), so callers fall back to the functions above. O(s) for s shards."""
+    counts = np.fromiter(map(len, shards_per_rank), dtype=np.int64, count=len(shards_per_rank))
+    total = int(counts.sum())
+    try:
+        flat = np.fromiter(chain.from_iterable(chain.from_iterable(shards_per_rank)),
+                           dtype=np.int64, count=3 * total).reshape(total, 3)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    doc, start, end = flat[:, 0], flat[:, 1], flat[:, 2]
+    if total and (int(flat.min()) < 0 or int(flat.max()) >= 1 << 31
+                  or bool((end < start).any())):
+        return None
+    bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    arrays = ShardArrays(np.repeat(np.arange(len(counts), dtype=np.int64), counts),
+                         doc, start, end, bounds)
+    if total and float(shard_workloads(arrays).sum(dtype=np.float64)) >= 2.0**62:
+        return None
+    return arrays
+
+
+def shard_workloads(arrays: ShardArrays) -> np.ndarray:
+    """``shard_workload`` of every shard (int64)."""
+    return (arrays.start + arrays.end + 1) * (arrays.end - arrays.start) // 2
+
+
+def per_rank_sums(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Exact int64 sums of ``values`` over each rank's entries ``bounds[i]:bounds[i + 1]``."""
+    sums = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values, out=sums[1:])
+    return sums[bounds[1:]] - sums[bounds[:-1]]
+
+
+def rank_workloads_of(arrays: ShardArrays) -> list[int]:
+    """``rank_workloads`` from ``ShardArrays``."""
+    return per_rank_sums(shard_workloads(arrays), arrays.bounds).tolist()
+
+
+class GroupVolumes(NamedTuple):
+    """``comm_volumes_of``'s answer."""
+
+    volumes: CommVolumes
+    docs: list[int]
+    """The docs the group holds, ascending."""
+    split_docs: int
+    """Docs held by more than one rank."""
+
+
+def comm_volumes_of(arrays: ShardArrays) -> GroupVolumes:
+    """``comm_volumes`` from ``ShardArrays``, with the docs held and how many are split.
+    O(s log s).
+
+    Per (rank, doc) the last end (``last_ends``); per doc the furthest end and the
+    runner-up among its holders (equal to the furthest where two ranks tie); a shard then
+    sends up to the runner-up if its rank holds the furthest end, else up to the furthest.
+    """
+    n = len(arrays.bounds) - 1
+    rank, doc, start, end = arrays.rank, arrays.doc, arrays.start, arrays.end
+    if not len(rank):
+        zeros = (0,) * n
+        return GroupVolumes(CommVolumes(alltoallv_recv=zeros, allgather_send=zeros), [], 0)
+    order = np.lexsort((doc, rank))
+    r, d = rank[order], doc[order]
+    head = np.empty(len(r), dtype=bool)  # the first shard of each (rank, doc)
+    head[0] = True
+    np.not_equal(r[1:], r[:-1], out=head[1:])
+    head[1:] |= d[1:] != d[:-1]
+    firsts = np.flatnonzero(head)
+    seg_end = np.maximum.reduceat(end[order], firsts)
+    seg_rank, seg_doc = r[firsts], d[firsts]
+    tokens = per_rank_sums(end - start, arrays.bounds)
+    seg_bounds = np.searchsorted(seg_rank, np.arange(n + 1))
+    recv = per_rank_sums(seg_end, seg_bounds) - tokens
+    # Per doc, its holders' last ends, furthest first.
+    by_doc = np.lexsort((-seg_end, seg_doc))
+    doc_sorted, end_sorted = seg_doc[by_doc], seg_end[by_doc]
+    new_doc = np.empty(len(by_doc), dtype=bool)
+    new_doc[0] = True
+    np.not_equal(doc_sorted[1:], doc_sorted[:-1], out=new_doc[1:])
+    group = np.cumsum(new_doc) - 1
+    group_first = np.flatnonzero(new_doc)
+    furthest = end_sorted[group_first]
+    runner = np.zeros(len(group_first), dtype=np.int64)
+    has_two = np.append(group_first[1:], len(by_doc)) - group_first > 1
+    runner[has_two] = end_sorted[group_first[has_two] + 1]
+    seg_group = np.empty(len(seg_end), dtype=np.int64)
+    seg_group[by_doc] = group
+    seg_other = np.where(seg_end == furthest[seg_group], runner[seg_group], furthest[seg_group])
+    # Back to shards: each shard's (rank, doc) is the segment it falls in.
+    shard_seg = np.empty(len(order), dtype=np.int64)
+    shard_seg[order] = np.cumsum(head) - 1
+    other = seg_other[shard_seg]
+    sent = np.maximum(0, np.minimum(end, other) - start)
+    send = per_rank_sums(sent, arrays.bounds)
+    volumes = CommVolumes(alltoallv_recv=tuple(recv.tolist()), allgather_send=tuple(send.tolist()))
+    return GroupVolumes(volumes, doc_sorted[group_first].tolist(), int(has_two.sum()))

@@ -11,7 +11,12 @@ from planner_service.core import cost
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Metrics, RankStats, Shard
 from planner_service.core.profiles import get_kernel_profile, get_link_profile
-from planner_service.core.step_time import attention_tiles_per_shard, rank_step
+from planner_service.core.step_time import (
+    attention_tiles_of,
+    attention_tiles_per_shard,
+    rank_step,
+    rank_step_totals,
+)
 
 
 def group_metrics(
@@ -24,38 +29,76 @@ def group_metrics(
     link: str,
 ) -> tuple[Metrics, RankStats]:
     """Metrics and per-rank stats of one group (ranks in group order)."""
+    return group_metrics_of(
+        cost.shard_arrays(shards_per_rank), shards_per_rank, padding,
+        comm_mode=comm_mode, model=model, kernel=kernel, link=link,
+    )
+
+
+def group_metrics_of(
+    arrays: cost.ShardArrays | None,
+    shards_per_rank: Sequence[Sequence[Shard]],
+    padding: Sequence[int],
+    *,
+    comm_mode: str,
+    model: ModelSpec,
+    kernel: str,
+    link: str,
+) -> tuple[Metrics, RankStats]:
+    """``group_metrics`` given the shards also as ``cost.ShardArrays`` (None: not
+    representable in int64, computed shard by shard). O(s log s) for s shards in numpy,
+    plus ``rank_step`` for the few ranks within rounding of the slowest."""
     n = len(shards_per_rank)
-    tokens = [sum(s.end - s.start for s in rank) for rank in shards_per_rank]
+    kernel_profile, link_profile = get_kernel_profile(kernel), get_link_profile(link)
+    counts = np.fromiter(map(len, shards_per_rank), dtype=np.int64, count=n)
+    if arrays is None:
+        tokens = [sum(s.end - s.start for s in rank) for rank in shards_per_rank]
+        workloads = cost.rank_workloads(shards_per_rank)
+        volumes = cost.comm_volumes(shards_per_rank)
+        flat = [s for rank in shards_per_rank for s in rank]
+        per_shard = attention_tiles_per_shard(flat, kernel_profile.tile_q, kernel_profile.tile_k)
+        doc_ranks: dict[int, set[int]] = {}
+        for rank, shards in enumerate(shards_per_rank):
+            for s in shards:
+                doc_ranks.setdefault(s.doc, set()).add(rank)
+        split_docs = sum(1 for ranks in doc_ranks.values() if len(ranks) > 1)
+        bounds = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+    else:
+        lengths = arrays.end - arrays.start
+        tokens = cost.per_rank_sums(lengths, arrays.bounds).tolist()
+        workloads = cost.rank_workloads_of(arrays)
+        volumes, _, split_docs = cost.comm_volumes_of(arrays)
+        per_shard = attention_tiles_of(arrays.start, lengths, kernel_profile.tile_q,
+                                       kernel_profile.tile_k)
+        bounds = arrays.bounds
     tokens_per_rank = max(t + p for t, p in zip(tokens, padding, strict=True))
-    workloads = cost.rank_workloads(shards_per_rank)
-    volumes = cost.comm_volumes(shards_per_rank)
     full = cost.full_exchange_tokens(n, tokens_per_rank)
     recv = cost.recv_tokens_by_mode(comm_mode, volumes, tokens_per_rank)
-    kernel_profile, link_profile = get_kernel_profile(kernel), get_link_profile(link)
-    # One vectorised tile count for the whole group, split back per rank.
-    flat = [s for rank in shards_per_rank for s in rank]
-    per_shard = attention_tiles_per_shard(flat, kernel_profile.tile_q, kernel_profile.tile_k)
-    bounds = np.cumsum([0, *(len(rank) for rank in shards_per_rank)])
-    steps = [
-        rank_step(
-            shards,
-            recv_tokens=r,
+    # The slowest rank: every rank's total at once, then ``rank_step`` for the ranks within
+    # rounding of the largest (ties: the lowest rank).
+    tiles = cost.per_rank_sums(per_shard, bounds)
+    totals = rank_step_totals(
+        counts, tiles, np.array(recv, dtype=np.float64), tokens_per_rank=tokens_per_rank,
+        num_ranks=n, comm_mode=comm_mode, model=model, kernel=kernel_profile, link=link_profile,
+    )
+    top = float(totals.max())
+    steps = {
+        i: rank_step(
+            shards_per_rank[i],
+            recv_tokens=recv[i],
             tokens_per_rank=tokens_per_rank,
             num_ranks=n,
             comm_mode=comm_mode,
             model=model,
             kernel=kernel_profile,
             link=link_profile,
-            tiles=int(per_shard[bounds[i] : bounds[i + 1]].sum()),
+            tiles=int(tiles[i]),
         )
-        for i, (shards, r) in enumerate(zip(shards_per_rank, recv, strict=True))
-    ]
-    slowest = max(range(n), key=lambda i: (steps[i].total_ms, -i))
+        for i in np.flatnonzero(totals >= top - 1e-9 * abs(top)).tolist()
+    }
+    slowest = max(steps, key=lambda i: (steps[i].total_ms, -i))
     comm_tokens = max(recv)
-    doc_ranks: dict[int, set[int]] = {}
-    for rank, shards in enumerate(shards_per_rank):
-        for s in shards:
-            doc_ranks.setdefault(s.doc, set()).add(rank)
     metrics = Metrics(
         imbalance=cost.imbalance(workloads),
         max_workload=max(workloads),
@@ -77,7 +120,7 @@ def group_metrics(
         tokens_per_rank=tokens_per_rank,
         padding_tokens=sum(padding),
         num_shards=sum(len(rank) for rank in shards_per_rank),
-        num_split_docs=sum(1 for ranks in doc_ranks.values() if len(ranks) > 1),
+        num_split_docs=split_docs,
     )
     stats = RankStats(
         tokens=tuple(tokens),

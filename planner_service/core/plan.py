@@ -124,16 +124,27 @@ class Group:
     metrics: Metrics
     rank_stats: RankStats
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, shards: bool = True) -> dict[str, Any]:
+        """The group as JSON-able dict (``shards=False``: without its shards)."""
         return {
             "ranks": list(self.ranks),
             "docs": list(self.docs),
             # Shard.to_dict inlined (one dict per shard: the bulk of a plan's JSON).
-            "shards": [[{"doc": d, "start": a, "end": b} for d, a, b in rank] for rank in self.shards],
+            "shards": [[{"doc": d, "start": a, "end": b} for d, a, b in rank] for rank in self.shards]
+            if shards else [],
             "padding": list(self.padding),
             "metrics": self.metrics.to_dict(),
             "rank_stats": self.rank_stats.to_dict(),
         }
+
+    def to_json(self) -> str:
+        """``canonical_json(self.to_dict())``, with the shards (the bulk of a plan) written
+        directly instead of as one dict each: about 3x faster."""
+        shards = ",".join([
+            "[" + ",".join([f'{{"doc":{d},"end":{b},"start":{a}}}' for d, a, b in rank]) + "]"
+            for rank in self.shards
+        ])
+        return _object_json({**self.to_dict(shards=False), "shards": _Raw(f"[{shards}]")})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,8 +165,9 @@ class Plan:
     """Solver extras (JSON scalars and lists), e.g. ILP status and gap, per-doc docs."""
     plan_id: str
 
-    def body_dict(self) -> dict[str, Any]:
-        """Everything but plan_id: what the content hash covers."""
+    def body_dict(self, *, groups: bool = True) -> dict[str, Any]:
+        """Everything but plan_id: what the content hash covers (``groups=False``: with an
+        empty list of groups)."""
         return {
             "version": PLAN_VERSION,
             "strategy": self.strategy,
@@ -166,10 +178,15 @@ class Plan:
             "model": self.model.to_dict(),
             "kernel": self.kernel,
             "link": self.link,
-            "groups": [g.to_dict() for g in self.groups],
+            "groups": [g.to_dict() for g in self.groups] if groups else [],
             "metrics": self.metrics.to_dict(),
             "info": self.info,
         }
+
+    def body_json(self, **extra: Any) -> str:
+        """``canonical_json(self.body_dict() | extra)``, the groups by ``Group.to_json``."""
+        groups = ",".join([g.to_json() for g in self.groups])
+        return _object_json({**self.body_dict(groups=False), "groups": _Raw(f"[{groups}]"), **extra})
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.body_dict(), "plan_id": self.plan_id}
@@ -177,7 +194,7 @@ class Plan:
     def to_json(self, *, indent: int | None = None) -> str:
         """Canonical JSON: sorted keys, no spaces; identical bytes for identical plans."""
         if indent is None:
-            return canonical_json(self.to_dict())
+            return self.body_json(plan_id=self.plan_id)
         return json.dumps(self.to_dict(), sort_keys=True, indent=indent)
 
     def rank_shards(self, rank: int) -> tuple[Shard, ...]:
@@ -245,3 +262,20 @@ def canonical_json(data: Any) -> str:
 def content_hash(body: dict[str, Any]) -> str:
     """sha256 of the canonical JSON of a plan body (hex)."""
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+def plan_hash(plan: Plan) -> str:
+    """``content_hash(plan.body_dict())`` from ``Plan.body_json`` (faster)."""
+    return hashlib.sha256(plan.body_json().encode()).hexdigest()
+
+
+class _Raw(str):
+    """JSON text already canonical, placed as is by ``_object_json``."""
+
+
+def _object_json(items: dict[str, Any]) -> str:
+    """``canonical_json(items)`` where some values are ``_Raw`` canonical JSON text."""
+    return "{" + ",".join(
+        f"{canonical_json(key)}:{value if isinstance(value, _Raw) else canonical_json(value)}"
+        for key, value in sorted(items.items())
+    ) + "}"

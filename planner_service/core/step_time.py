@@ -35,13 +35,20 @@ def attention_tiles_per_shard(shards: Sequence[Shard], tile_q: int, tile_k: int)
     # Lists of ints convert to arrays far faster than the shard tuples themselves.
     starts = np.array([s.start for s in shards], dtype=np.int64)
     lengths = np.array([s.end - s.start for s in shards], dtype=np.int64)
+    return attention_tiles_of(starts, lengths, tile_q, tile_k)
+
+
+def attention_tiles_of(starts: np.ndarray, lengths: np.ndarray, tile_q: int, tile_k: int) -> np.ndarray:
+    """``attention_tiles_per_shard`` from int64 arrays of shard starts and lengths."""
+    if not len(starts):
+        return np.zeros(0, dtype=np.int64)
     q_tiles = -(-lengths // tile_q)
-    shard_of_tile = np.repeat(np.arange(len(shards)), q_tiles)
+    shard_of_tile = np.repeat(np.arange(len(starts)), q_tiles)
     # Index of each query tile within its shard: 0, 1, ... per shard.
     first = np.cumsum(q_tiles) - q_tiles
     j = np.arange(int(q_tiles.sum()), dtype=np.int64) - np.repeat(first, q_tiles)
     last_row = starts[shard_of_tile] + np.minimum((j + 1) * tile_q, lengths[shard_of_tile])
-    return np.bincount(shard_of_tile, weights=-(-last_row // tile_k), minlength=len(shards)).astype(
+    return np.bincount(shard_of_tile, weights=-(-last_row // tile_k), minlength=len(starts)).astype(
         np.int64
     )
 
@@ -125,3 +132,45 @@ def rank_step(
         t = transfer_ms(bytes_per_step, link)
         total += c + (num_ranks - 1) * max(c, t)
     return StepEstimate(attn, total - attn, lin)
+
+
+def rank_step_totals(
+    num_shards: np.ndarray,
+    tiles: np.ndarray,
+    recv_tokens: np.ndarray,
+    *,
+    tokens_per_rank: int,
+    num_ranks: int,
+    comm_mode: str,
+    model: ModelSpec,
+    kernel: KernelProfile,
+    link: LinkProfile,
+) -> np.ndarray:
+    """``rank_step(...).total_ms`` of every rank at once (float64), for picking the slowest
+    rank: the same formulas, equal to ``rank_step`` up to rounding (callers recompute the
+    candidates with ``rank_step``)."""
+    lin = linear_ms(tokens_per_rank, model, kernel)
+    p2p = comm_mode == "p2p_ring" and num_ranks > 1
+    calls = num_ranks if p2p else 1
+    fwd_flops = 4.0 * kernel.tile_q * kernel.tile_k * model.head_dim * model.num_heads * tiles
+    compute_s = fwd_flops / (kernel.fwd_tflops * 1e12) + (
+        BWD_FLOP_RATIO * fwd_flops / (kernel.bwd_tflops * 1e12)
+    )
+    overhead_us = calls * kernel.call_overhead_us + num_shards * kernel.per_seq_us
+    attn = compute_s * 1e3 + overhead_us * 1e-3
+    if not p2p:
+        moved = recv_tokens.astype(np.float64) * model.kv_bytes_per_token
+        comm = np.where(
+            recv_tokens != 0,
+            2 * (link.latency_us * 1e-3 + moved / (link.bandwidth_gbps * 1e9) * 1e3),
+            0.0,
+        )
+        return attn + comm + lin
+    fwd_share = 1.0 / (1.0 + BWD_FLOP_RATIO * kernel.fwd_tflops / kernel.bwd_tflops)
+    step_bytes = tokens_per_rank * model.kv_bytes_per_token
+    total = np.zeros(len(tiles))
+    for share, bytes_per_step in ((fwd_share, step_bytes), (1.0 - fwd_share, 2 * step_bytes)):
+        c = attn * share / num_ranks
+        t = transfer_ms(bytes_per_step, link)
+        total += c + (num_ranks - 1) * np.maximum(c, t)
+    return attn + (total - attn) + lin

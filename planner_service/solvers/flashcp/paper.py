@@ -28,9 +28,9 @@ import numpy as np
 
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.cost import doc_workload, imbalance
+from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
-from planner_service.solvers.common import zigzag_doc_shards
-from planner_service.solvers.flashcp.ranks import Ranks
+from planner_service.solvers.flashcp.ranks import Ranks, new_shard
 
 MAX_PER_DOC = 64
 """Upper bound on Per-Doc docs tried; imbalance left after that comes from integrality."""
@@ -106,12 +106,47 @@ def split_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], *, tail_largest:
                 left -= take
         start = 0
         for rank, take in pieces:
-            if take > 0:
-                ranks.add(rank, doc, start, start + take)
+            if take > 0:  # ranks.add inlined
+                ranks.shards[rank].append(new_shard(Shard, (doc, start, start + take)))
+                ranks.tokens[rank] += take
+                ranks.work[rank] += (2 * start + take + 1) * take // 2
             start += take
         for rank in chosen:
             if ranks.tokens[rank] < cap:
                 heapq.heappush(roomiest, (ranks.tokens[rank] - cap, rank))
+
+
+def per_doc_zigzag(ranks: Ranks, doc: int, length: int) -> None:
+    """Add one doc by Per-Doc sharding over all N ranks: ``common.zigzag_doc_shards`` (the
+    L mod 2N extra tokens one per chunk to the ranks holding fewest tokens, low chunks
+    first) with the shards added rank by rank. O(N log N)."""
+    n = len(ranks.tokens)
+    base, extra = divmod(length, 2 * n)
+    low, high = [base] * n, [base] * n
+    if extra:
+        fewest = np.argsort(np.array(ranks.tokens), kind="stable").tolist()
+        for rank in fewest[:min(extra, n)]:
+            low[rank] += 1
+        for rank in fewest[:max(0, extra - n)]:
+            high[rank] += 1
+    # Chunk order: the low chunks of ranks 0 .. N-1, then the high ones of ranks N-1 .. 0.
+    low_start = [0] * n
+    at = 0
+    for rank in range(n):
+        low_start[rank] = at
+        at += low[rank]
+    high_start = [0] * n
+    for rank in range(n - 1, -1, -1):
+        high_start[rank] = at
+        at += high[rank]
+    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    for rank in range(n):
+        held = shards[rank]
+        for a, size in ((low_start[rank], low[rank]), (high_start[rank], high[rank])):
+            if size:
+                held.append(new_shard(Shard, (doc, a, a + size)))
+                tokens[rank] += size
+                work[rank] += (2 * a + size + 1) * size // 2
 
 
 def _must_exceed(length: int, per_doc: Ranks, allowed: float) -> bool:
@@ -126,15 +161,14 @@ def algorithm1(
     doc_lengths: Sequence[int], n: int, target: float, *, max_per_doc: int = MAX_PER_DOC
 ) -> tuple[float, Ranks, list[int]]:
     """Algorithm 1 (module docstring): (imbalance, layout, Per-Doc docs ascending)."""
-    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    # Longest first, ties by index (a stable sort of the negated lengths; lengths < 2^31).
+    order = np.argsort(-np.array(doc_lengths, dtype=np.int64), kind="stable").tolist()
     allowed = target * sum(map(doc_workload, doc_lengths)) / n
     per_doc = Ranks(n, -(-sum(doc_lengths) // n))  # the Per-Doc part, one more doc per k
     best: tuple[float, Ranks, list[int]] | None = None
     for k in range(min(len(order), max_per_doc) + 1):
         if k:
-            doc = order[k - 1]
-            for rank, shard in zigzag_doc_shards(doc, doc_lengths[doc], n, np.array(per_doc.tokens)):
-                per_doc.add(rank, shard.doc, shard.start, shard.end)
+            per_doc_zigzag(per_doc, order[k - 1], doc_lengths[order[k - 1]])
         last = k == len(order) or k == max_per_doc or doc_lengths[order[k]] <= 2 * n
         if not last and _must_exceed(doc_lengths[order[k]], per_doc, allowed):
             continue

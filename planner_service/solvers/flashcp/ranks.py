@@ -1,12 +1,14 @@
 """The layout under construction: per-rank shards, token counts and workloads.
 
 Every operation here is O(1) per shard added (``Ranks.add``), O(N + shards) to copy, and
-O(L / m + m) for an equal zigzag of one doc over m ranks.
+O(L / m + m) for an equal zigzag of one doc over m ranks; ``zigzagged`` O(s).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
+from operator import itemgetter
 
 from planner_service.core.plan import Shard
 
@@ -44,22 +46,50 @@ def zigzag(ranks: Ranks, chosen: Sequence[int], doc: int, length: int) -> None:
     i-th (Per-Doc sharding over a subset): near-equal workloads, two shards per rank."""
     m = len(chosen)
     base, extra = divmod(length, 2 * m)
-    sizes = [base] * (2 * m)
     # The remainder goes one token per rank (low chunks first, then high chunks), so no
-    # rank holds more than ceil(L / m) tokens of the doc.
-    for k in range(extra):
-        sizes[k if k < m else 2 * m - 1 - (k - m)] += 1
-    starts = [0] * (2 * m + 1)
-    for chunk, size in enumerate(sizes):
-        starts[chunk + 1] = starts[chunk] + size
-    for i, rank in enumerate(chosen):
-        for chunk in (i, 2 * m - 1 - i):
-            if sizes[chunk]:
-                ranks.add(rank, doc, starts[chunk], starts[chunk + 1])
+    # rank holds more than ceil(L / m) tokens of the doc: the first min(extra, m) low
+    # chunks and the last extra - m high chunks (chunk 2m - 1 - (k - m) for the k-th token).
+    low_extra, high_extra = min(extra, m), max(0, extra - m)
+    sizes = ([base + 1] * low_extra + [base] * (2 * m - low_extra - high_extra)
+             + [base + 1] * high_extra)
+    starts = list(accumulate(sizes, initial=0))
+    top = 2 * m
+    # Rank i holds chunks i and 2m - 1 - i: [a, b) and [c, d). ranks.add inlined (a doc
+    # over many ranks adds 2m shards).
+    columns = zip(chosen, starts[:m], starts[1 : m + 1], starts[top - 1 : m - 1 : -1],
+                  starts[top:m:-1], strict=True)
+    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    for rank, a, b, c, d in columns:
+        held = shards[rank]
+        if b > a:
+            held.append(new_shard(Shard, (doc, a, b)))
+        if d > c:
+            held.append(new_shard(Shard, (doc, c, d)))
+        tokens[rank] += (b - a) + (d - c)
+        work[rank] += (a + b + 1) * (b - a) // 2 + (c + d + 1) * (d - c) // 2
+
+
+_doc_of = itemgetter(0)
 
 
 def zigzagged(ranks: Ranks) -> list[int]:
-    """Docs held as two or more shards on one rank (zigzag), ascending."""
+    """Docs held as two or more shards on one rank (zigzag), ascending. O(s): a rank's
+    docs are scanned one by one only if some doc repeats on it."""
+    out: set[int] = set()
+    for shards in ranks.shards:
+        docs = list(map(_doc_of, shards))
+        if len(set(docs)) < len(docs):
+            seen: set[int] = set()
+            for doc in docs:
+                if doc in seen:
+                    out.add(doc)
+                else:
+                    seen.add(doc)
+    return sorted(out)
+
+
+def zigzagged_reference(ranks: Ranks) -> list[int]:
+    """``zigzagged`` shard by shard."""
     seen: dict[tuple[int, int], int] = {}
     for rank, shards in enumerate(ranks.shards):
         for s in shards:

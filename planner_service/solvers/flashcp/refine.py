@@ -25,6 +25,7 @@ steps, each O(N x shared docs x s) for the pairs and ``ABSORB_TRIES`` whole docs
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Container, Sequence
 
@@ -101,12 +102,13 @@ def _exchange_moves(ranks: Ranks, allowed: float, max_moves: int, mean: float,
     the ranks they change; workloads are updated as they go."""
     n = len(ranks.work)
     for _ in range(max_moves):
-        busy = max(range(n), key=lambda r: (ranks.work[r], -r))
+        busy = ranks.work.index(max(ranks.work))  # the busiest; ties: the lowest rank
         if ranks.work[busy] <= allowed:
             return
         held = intervals(busy)
         partners = []
-        for other in sorted(range(n), key=lambda r: (ranks.work[r], r))[:PARTNERS]:
+        # The PARTNERS lightest, ties by rank (nsmallest is a stable sorted(...)[:k]).
+        for other in heapq.nsmallest(PARTNERS, range(n), key=ranks.work.__getitem__):
             # Aim to bring the busiest rank to mean + SETTLE x slack; never push the partner
             # above ``allowed`` or above the busiest rank's new load.
             most = min(allowed - ranks.work[other], ranks.work[busy] - ranks.work[other])
@@ -270,7 +272,7 @@ def descend(ranks: Ranks, allowed: float, max_steps: int) -> int:
                 lengths[r][s.doc] = s.end
     changed: set[int] = set()
     for _ in range(max_steps):
-        top = max(range(n), key=lambda r: (recv[r], -r))
+        top = recv.index(max(recv))  # the rank receiving most; ties: the lowest
         # A doc I hold as a prefix (need 0) cannot lower my receive: skip it.
         needy = {doc for doc, need in needs[top].items() if need}
         best = None

@@ -48,6 +48,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.cost import alltoallv_receives, comm_volumes, doc_workload, imbalance
 from planner_service.core.plan import Shard
@@ -170,7 +172,8 @@ def flashcp_shards(
     """Per-rank shards and the docs held as zigzag pairs (module docstring)."""
     n = num_ranks
     cost = objective(comm_mode)
-    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    # Longest first, ties by index (a stable sort of the negated lengths; lengths < 2^31).
+    order = np.argsort(-np.array(doc_lengths, dtype=np.int64), kind="stable").tolist()
     total_work = sum(length * (length + 1) for length in doc_lengths) // 2  # sum of doc_workload
     allowed = target * total_work / n
     fallback: tuple[float, Ranks] | None = None
@@ -214,21 +217,25 @@ def _choose(
     found.sort(key=lambda c: c[:2])
     mean = total_work / n
     slack = 1.0 if len(doc_lengths) * n <= FULL_SLACK_BUDGET else DESCENT_SLACK
-    pool: list[tuple[Ranks, tuple[int, int]]] = []  # (layout, tie-break)
+    # (layout, tie-break, its cost if already known: the receive found measured, under
+    # all-to-all-v, for a layout not descended since)
+    pool: list[tuple[Ranks, tuple[int, int], tuple[int, ...] | None]] = []
     descended = 0
-    for _, index, ranks, descend_it in found:
+    for receive, index, ranks, descend_it in found:
+        known: tuple[int, ...] | None = (receive,) if comm_mode == "alltoallv" else None
         if descend_it and descended < DESCENDED:
             if comm_mode == "compact_allgather":
-                pool.append((ranks.copy(), (index, 1)))  # the descent may add buffer tokens
+                pool.append((ranks.copy(), (index, 1), None))  # the descent may add buffer tokens
             descend(ranks, mean + slack * (allowed - mean), steps)
             descended += 1
-        pool.append((ranks, (index, 0)))
+            known = None
+        pool.append((ranks, (index, 0), known))
     if comm_mode == "compact_allgather":
         imb, paper, _ = algorithm1(doc_lengths, n, target,
                                    max_per_doc=paper_rounds(len(doc_lengths), n))
         if imb <= target:
-            pool.append((paper, (len(found), 0)))
-    best = min(pool, key=lambda c: (cost(c[0]), c[1]))[0]
+            pool.append((paper, (len(found), 0), None))
+    best = min(pool, key=lambda c: (cost(c[0]) if c[2] is None else c[2], c[1]))[0]
     return best.shards, zigzagged(best)
 
 
