@@ -61,7 +61,9 @@ def reference_group_metrics(shards_per_rank, padding, *, comm_mode, model, kerne
     )
     stats = RankStats(tokens=tuple(tokens), workload=tuple(workloads),
                       alltoallv_recv=volumes.alltoallv_recv,
-                      allgather_send=volumes.allgather_send)
+                      allgather_send=volumes.allgather_send,
+                      kv_tokens_peak=cost.kv_tokens_peak(comm_mode, volumes, tokens,
+                                                         tokens_per_rank))
     return metrics, stats
 
 
