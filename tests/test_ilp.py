@@ -81,7 +81,8 @@ def test_same_request_gives_the_same_plan_byte_for_byte(monkeypatch):
     request = debug_request(strategy="ilp", doc_lengths=docs,
                             options={"time_limit_s": 0.3, "workers": 2})
     first, second = solve(request), solve(request)
-    assert first.info["status"] == "FEASIBLE" and first.info["deterministic"]
+    for plan in (first, second):  # both ended by the deterministic limit, not the guard
+        assert plan.info["status"] == "FEASIBLE" and plan.info["deterministic"], plan.info
     assert first.to_json() == second.to_json()
 
 
