@@ -14,6 +14,8 @@ from planner_service.client.backends import EmbeddedBackend, ServiceError, Servi
 from planner_service.data import make_source, pack_sequences
 from worker_runtime.testing import run_distributed
 
+pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
+
 WORLD = 2
 TIMEOUT_S = scaled(0.5)
 """The planning client's deadline; a 'slow' answer takes SLOW_S, far beyond it."""

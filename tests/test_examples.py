@@ -16,6 +16,8 @@ from timing import scaled
 
 from planner_service.service.testing import ServerProcess
 
+pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]

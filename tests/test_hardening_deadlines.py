@@ -23,6 +23,8 @@ from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
 from planner_service.service.testing import ServerProcess
 
+pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
+
 TOKEN = "deadline-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 METADATA = (("authorization", f"Bearer {TOKEN}"),)

@@ -28,6 +28,8 @@ from timing import scaled
 
 from planner_service.service.testing import ServerProcess
 
+pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
+
 LONG = os.environ.get("PLANNER_FUZZ_LONG", "") == "1"
 MIN_REQUESTS = 1000 if LONG else 100
 EXAMPLES = ({GenerationMode.POSITIVE: 110, GenerationMode.NEGATIVE: 80} if LONG

@@ -13,11 +13,14 @@ import time
 
 import grpc
 import httpx
+import pytest
 from timing import scaled
 
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
 from planner_service.service.testing import ServerProcess
+
+pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
 
 GRACE_S = 15
 STOP_SLACK_S = 2.0

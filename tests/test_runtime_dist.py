@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from timing import scaled
 
 from planner_service.core.build import GroupLayout, Layout, build_plan
 from planner_service.core.model import ModelSpec
@@ -28,6 +29,8 @@ from worker_runtime import (
     reference_attention,
 )
 from worker_runtime.testing import run_distributed
+
+pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 MODEL = ModelSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype_bytes=8)
@@ -141,7 +144,7 @@ def equivalence_worker(rank: int, world_size: int, plan_jsons: list[str]) -> dic
 def test_runtime_matches_float64_reference_and_plan_bytes(world_size: int) -> None:
     plans = world_plans(world_size)
     per_rank = run_distributed(equivalence_worker, world_size, [p.to_json() for p in plans],
-                               timeout_s=150.0)
+                               timeout_s=scaled(150.0))
     for ci, plan in enumerate(plans):
         for mode in COMM_MODES:
             for dtype in (torch.float64, torch.float32):

@@ -20,6 +20,7 @@ from test_runtime_dist import (
     random_doc_lengths,
     solve_any,
 )
+from timing import scaled
 
 from planner_service.core.plan import Plan
 from worker_runtime import (
@@ -33,6 +34,8 @@ from worker_runtime import (
 )
 from worker_runtime.overlap import local_share
 from worker_runtime.testing import run_distributed
+
+pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
 
 TOL = 1e-10
 STRATEGIES = ("flashcp", "per_doc", "zigzag", "fcp")
@@ -75,7 +78,7 @@ def worker(rank: int, world_size: int, plan_jsons: list[str]) -> dict:
 @pytest.mark.parametrize("world_size", [3, 5, 8])
 def test_overlap_off_and_ring_are_exact_with_plan_bytes_and_kv_peak(world_size: int) -> None:
     plans = plans_for(world_size)
-    per_rank = run_distributed(worker, world_size, [p.to_json() for p in plans], timeout_s=240.0)
+    per_rank = run_distributed(worker, world_size, [p.to_json() for p in plans], timeout_s=scaled(240.0))
     row_bytes = KV_ROW_ELEMS * 8
     for ci, plan in enumerate(plans):
         for mode, overlap in CASES:

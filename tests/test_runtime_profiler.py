@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from timing import scaled
 
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Plan
@@ -22,6 +23,8 @@ from worker_runtime.profiler import (
     write_timings,
 )
 from worker_runtime.testing import run_distributed
+
+pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
 
 MODEL = ModelSpec(num_heads=2, num_kv_heads=1, head_dim=8, dtype_bytes=4)
 
@@ -44,7 +47,7 @@ def comm_worker(rank: int, world_size: int, plan_json: str) -> dict:
 def test_timings_file_has_the_fitting_format(tmp_path) -> None:
     plan = small_plan()
     records = attention_records(plan, repeats=1)
-    per_rank = run_distributed(comm_worker, 2, plan.to_json(), timeout_s=60.0)
+    per_rank = run_distributed(comm_worker, 2, plan.to_json(), timeout_s=scaled(60.0))
     comm = []
     for res in per_rank:
         for rec in res.values():

@@ -21,6 +21,8 @@ from planner_service.service.grpc_wire import dict_to_request
 from planner_service.service.testing import ServerProcess
 from planner_service.solvers.registry import STRATEGIES, solve, strategy_names
 
+pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
+
 TOKEN = "live-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MD = (("authorization", f"Bearer {TOKEN}"),)
