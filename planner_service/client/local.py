@@ -28,10 +28,8 @@ def solve_dict(request: dict[str, Any]) -> Solved:
     """
     from planner_service.service.schemas import FieldError, Limits, parse_plan_request
 
-    limits = Limits(max_docs=10**7, max_cp_size=1024, max_tokens=2**31 - 1,
-                    max_time_limit_s=3600.0, max_sequences=10**6)
     try:
-        return timed_solve(parse_plan_request(request, limits))
+        return timed_solve(parse_plan_request(request, Limits.library()))
     except FieldError as exc:
         raise ServiceError("422", str(exc), field=exc.field) from None
 

@@ -8,6 +8,7 @@ field, which the HTTP edge answers with 422 and the gRPC edge with INVALID_ARGUM
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -18,7 +19,7 @@ from planner_service.core.model import ModelSpec
 from planner_service.core.plan import canonical_json
 from planner_service.core.request import COMM_MODES, MAX_CP_SIZE, MAX_TOKENS, PlanRequest
 from planner_service.service.settings import Settings
-from planner_service.solvers.registry import get_strategy
+from planner_service.solvers.registry import checked_strategy
 
 REQUEST_FIELDS = (
     "doc_lengths", "cp_size", "strategy", "context_length", "truncate", "imbalance_target",
@@ -62,6 +63,12 @@ class Limits:
                    max_tokens=settings.max_tokens, max_time_limit_s=settings.max_time_limit_s,
                    max_sequences=settings.max_sequences, max_shards=settings.max_shards,
                    max_json_depth=settings.max_json_depth)
+
+    @classmethod
+    def library(cls) -> Limits:
+        """No operator bounds: only the core's own ranges (a local plan in the client)."""
+        return cls(max_docs=2**62, max_cp_size=MAX_CP_SIZE, max_tokens=MAX_TOKENS,
+                   max_time_limit_s=math.inf, max_sequences=2**62)
 
 
 _JSON_STRUCTURE = re.compile(rb'[\[\]{}"\\]')
@@ -292,13 +299,10 @@ def check_shards(docs: int, ranks: int, limits: Limits, field: str) -> None:
 def check_strategy(request: PlanRequest) -> None:
     """Reject an unknown strategy or an option it does not declare, before any queueing."""
     try:
-        strategy = get_strategy(request.strategy)
+        checked_strategy(request)
     except ValueError as exc:
-        raise FieldError("strategy", str(exc)) from None
-    unknown = sorted(set(request.options) - set(strategy.options))
-    if unknown:
-        raise FieldError("options", f"options {unknown} are not options of strategy "
-                         f"{strategy.name!r}; valid: {sorted(strategy.options) or 'none'}")
+        raise FieldError("options" if str(exc).startswith("options") else "strategy",
+                         str(exc)) from None
 
 
 def parse_plan_request(data: Any, limits: Limits) -> PlanRequest:

@@ -179,6 +179,18 @@ def add_test_strategy(strategy: Strategy) -> None:
     STRATEGIES[strategy.name] = strategy  # type: ignore[index]
 
 
+def checked_strategy(request: PlanRequest) -> Strategy:
+    """The request's strategy, after checking that it exists and declares every option the
+    request sets (the one place this is checked: the library, the service's edges and the
+    client's fallback all come here). Raises ValueError naming the strategy or options."""
+    strategy = get_strategy(request.strategy)
+    unknown = sorted(set(request.options) - set(strategy.options))
+    if unknown:
+        raise ValueError(f"options {unknown} are not options of strategy {strategy.name!r}; "
+                         f"valid: {sorted(strategy.options) or 'none'}")
+    return strategy
+
+
 def get_strategy(name: str) -> Strategy:
     """Look up a strategy; raises ValueError listing the valid names."""
     try:
@@ -207,13 +219,7 @@ def solve(request: PlanRequest, *, check: bool = True) -> Plan:
     Raises ValueError for bad input (unknown strategy, bad options) and PlanError if the
     strategy produced an invalid plan (a bug; ``check=False`` skips that self-check).
     """
-    strategy = get_strategy(request.strategy)
-    unknown = set(request.options) - set(strategy.options)
-    if unknown:
-        raise ValueError(
-            f"options {sorted(unknown)} are not options of strategy {strategy.name!r}; "
-            f"valid: {sorted(strategy.options) or 'none'}"
-        )
+    strategy = checked_strategy(request)
     doc_lengths, truncated = request.packed()
     layout = strategy.solver(doc_lengths, request)
     if truncated:
