@@ -1,8 +1,12 @@
-"""Strategy ``auto``: the candidate layout with the lowest estimated step time.
+"""Strategy ``auto``: the (strategy, comm mode) with the least predicted step time.
 
-Candidates are compared under one exchange, the exact all-to-all-v (the runtime runs it
-for any layout), so the choice reflects the layout alone: balance, the KV its shards
-need and kernel efficiency. Ties go to the earlier candidate.
+Every candidate layout is measured under every exchange the runtime executes (or only
+the request's ``comm_mode`` when it names one), with the request's model, kernel and link
+profiles (core/step_time.py); the least ``est_step_ms`` wins, ties going to the earlier
+candidate (CANDIDATES order, then MODES order). ``p2p_ring`` is not a separate candidate:
+the runtime runs it as the full all-gather. The plan's info records the choice and every
+candidate's prediction. Cost: one solve per strategy in CANDIDATES plus one metrics pass
+(O(shards + tiles)) per (strategy, mode).
 """
 
 from __future__ import annotations
@@ -14,37 +18,52 @@ from planner_service.core.build import Layout, build_plan
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import Strategy, get_strategy, register
 
-CANDIDATES = ("flashcp", "per_doc", "llama3")
+CANDIDATES = ("flashcp", "per_doc", "llama3", "zigzag", "ring")
+MODES = ("alltoallv", "compact_allgather", "full")
+"""The exchanges the runtime executes (worker_runtime/layout.py COMM_MODES)."""
 
 
 def auto_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
-    best: tuple[float, str, Layout] | None = None
+    modes = (request.comm_mode,) if request.comm_mode else MODES
+    best: tuple[float, str, str, Layout] | None = None
+    predictions = []
     for name in CANDIDATES:
         layout = get_strategy(name).solver(doc_lengths, replace(request, strategy=name, options={}))
-        plan = build_plan(
-            layout,
-            strategy=name,
-            cp_size=request.cp_size,
-            doc_lengths=doc_lengths,
-            context_length=request.context_length,
-            comm_mode=request.comm_mode or "alltoallv",
-            model=request.model,
-            kernel=request.kernel,
-            link=request.link,
-        )
-        if best is None or plan.metrics.est_step_ms < best[0]:
-            best = (plan.metrics.est_step_ms, name, layout)
+        for mode in modes:
+            metrics = build_plan(
+                layout,
+                strategy=name,
+                cp_size=request.cp_size,
+                doc_lengths=doc_lengths,
+                context_length=request.context_length,
+                comm_mode=mode,
+                model=request.model,
+                kernel=request.kernel,
+                link=request.link,
+            ).metrics
+            predictions.append({"strategy": name, "comm_mode": mode, "est_step_ms": metrics.est_step_ms})
+            if best is None or metrics.est_step_ms < best[0]:
+                best = (metrics.est_step_ms, name, mode, layout)
     assert best is not None
+    _, name, mode, layout = best
     return Layout(
-        best[2].groups, {**best[2].info, "chosen": best[1], "candidates": list(CANDIDATES)}
+        layout.groups,
+        {
+            **layout.info,
+            "chosen": name,
+            "comm_mode": mode,
+            "kernel_profile": request.kernel,
+            "link_profile": request.link,
+            "candidates": predictions,
+        },
     )
 
 
 register(
     Strategy(
         name="auto",
-        description="The layout among flashcp, per_doc and llama3 with the lowest estimated step time "
-        "(compared under all-to-all-v)",
+        description="The strategy among flashcp, per_doc, llama3, zigzag and ring, and the exchange, "
+        "with the least predicted step time under the request's profiles",
         solver=auto_layout,
         comm_mode="alltoallv",
     )

@@ -81,7 +81,8 @@ def solve(request: PlanRequest, *, check: bool = True) -> Plan:
         cp_size=request.cp_size,
         doc_lengths=doc_lengths,
         context_length=request.context_length,
-        comm_mode=request.comm_mode or strategy.comm_mode,
+        # A solver that chooses the exchange itself (auto) names it in its info.
+        comm_mode=request.comm_mode or layout.info.get("comm_mode") or strategy.comm_mode,
         model=request.model,
         kernel=request.kernel,
         link=request.link,
