@@ -39,7 +39,7 @@ def test_packed_blocks_match_the_torch_kernels_blocks(shards):
     meta = build_meta(np.cumsum([0, *lq]), np.cumsum([0, *lk]), block_q=64, block_k=128)
     pairs = sum((q1 - q0) * (keys[-1][1] - keys[0][0]) for q0, q1, keys in meta.blocks)
     blocks = sum(len(keys) for _, _, keys in meta.blocks)
-    assert packed_blocks(shards, 64, 128) == (pairs, blocks)
+    assert packed_blocks(shards, 64, 128) == (pairs, blocks, len(meta.blocks))
 
 
 def test_ring_is_charged_as_the_full_all_gather_it_runs():

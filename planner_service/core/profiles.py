@@ -48,6 +48,8 @@ class KernelProfile:
     """``segment`` or ``packed`` (TILINGS)."""
     per_tile_us: float = 0.0
     """Fixed cost per tile / block pair visited (the PyTorch kernel's Python loop)."""
+    per_row_block_us: float = 0.0
+    """Fixed cost per query tile / query block (the PyTorch kernel's outer loop)."""
 
     def __post_init__(self) -> None:
         if self.tiling not in TILINGS:
@@ -80,9 +82,12 @@ class LinkProfile:
     latency_us: float
     """Fixed cost of one collective or P2P step."""
     source: str
+    per_peer_us: float = 0.0
+    """Extra fixed cost per peer of a collective (gloo sends to and receives from each of
+    the N - 1 peers in turn); 0 where ``latency_us`` already covers a node's ranks."""
 
     def __post_init__(self) -> None:
-        for name in ("bandwidth_gbps", "latency_us"):
+        for name in ("bandwidth_gbps", "latency_us", "per_peer_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError(f"link.{name} must be a finite number >= 0, got {value!r}")
@@ -149,6 +154,7 @@ KERNEL_PROFILES: dict[str, KernelProfile] = {
         op_overhead_us=10.0,
         tiling="packed",
         per_tile_us=200.0,
+        per_row_block_us=100.0,
         source="order of magnitude for a 2-core x86 CPU in float32; re-fit before use",
     ),
 }
@@ -253,7 +259,8 @@ DEFAULT_KERNEL_PROFILE, DEFAULT_KERNEL_REASON = default_kernel_profile()
 def kernel_profile_from_dict(data: dict[str, Any]) -> KernelProfile:
     """A KernelProfile from its to_dict form; ValueError naming a missing or bad field."""
     names = {f.name for f in fields(KernelProfile)}
-    required = {f.name for f in fields(KernelProfile) if f.name not in ("tiling", "per_tile_us")}
+    required = {f.name for f in fields(KernelProfile)
+                if f.name not in ("tiling", "per_tile_us", "per_row_block_us")}
     missing = required - set(data)
     if missing:
         raise ValueError(f"kernel profile is missing fields {sorted(missing)}")
@@ -263,10 +270,10 @@ def kernel_profile_from_dict(data: dict[str, Any]) -> KernelProfile:
 def link_profile_from_dict(data: dict[str, Any]) -> LinkProfile:
     """A LinkProfile from its to_dict form; ValueError naming a missing or bad field."""
     names = {f.name for f in fields(LinkProfile)}
-    missing = names - set(data)
+    missing = names - set(data) - {"per_peer_us"}
     if missing:
         raise ValueError(f"link profile is missing fields {sorted(missing)}")
-    return LinkProfile(**{k: data[k] for k in names})
+    return LinkProfile(**{k: data[k] for k in names if k in data})
 
 
 def register_profiles(kernel: KernelProfile | None = None, link: LinkProfile | None = None) -> None:

@@ -20,8 +20,9 @@ no overlap. Nothing overlaps anything, so the estimate is a plain sum:
             block sizes (dense inside a block), each block pair pays ``per_tile_us``.
 ``copy``    the runtime's copies around the kernel, in bytes (see :func:`copy_bytes`), at
             the profile's copy bandwidth, plus a fixed cost per eager op.
-``comm``    two blocking collectives (forward KV, backward dK/dV), each latency + received
-            bytes / bandwidth, exposed in full.
+``comm``    two blocking collectives (forward KV, backward dK/dV), each latency + a step
+            cost per peer (N - 1 sends and receives) + received bytes / bandwidth,
+            exposed in full.
 ``linear``  the layer's GEMMs on every local row, padding included.
 
 Padding rows cost copies and linear time, not kernel time (the kernel sees real rows only),
@@ -35,8 +36,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner_service.core.cost import comm_volumes, recv_tokens_by_mode
 from planner_service.core.model import ModelSpec
-from planner_service.core.plan import Shard
+from planner_service.core.plan import Plan, Shard
 from planner_service.core.profiles import KernelProfile, LinkProfile
 
 BWD_FLOP_RATIO = 2.5
@@ -81,16 +83,18 @@ class KernelWork(NamedTuple):
     """Tiles (segment tiling) or block pairs (packed tiling) visited."""
     segments: int
     """Varlen segments (shards)."""
+    row_blocks: int
+    """Query tiles (segment tiling) or query blocks (packed tiling)."""
 
 
-def packed_blocks(shards: Sequence[Shard], block_q: int, block_k: int) -> tuple[int, int]:
-    """(pairs, block pairs) of the runtime's PyTorch kernel (worker_runtime/kernels.py
+def packed_blocks(shards: Sequence[Shard], block_q: int, block_k: int) -> tuple[int, int, int]:
+    """(pairs, block pairs, query blocks) of the runtime's PyTorch kernel (worker_runtime/kernels.py
     ``build_meta``): query blocks of ``block_q`` packed rows, each against the keys from its
     first row's segment start to its last row's limit, cut into ``block_k`` key blocks.
     O(shards + query blocks)."""
     shards = [s for s in shards if s.end > s.start]
     if not shards:
-        return 0, 0
+        return 0, 0, 0
     lq = np.array([s.end - s.start for s in shards], dtype=np.int64)
     lk = np.array([s.end for s in shards], dtype=np.int64)
     cu_q = np.concatenate(([0], np.cumsum(lq)))
@@ -102,7 +106,7 @@ def packed_blocks(shards: Sequence[Shard], block_q: int, block_k: int) -> tuple[
     k_lo = cu_k[seg_first]
     k_hi = cu_k[seg_last] + (lk - lq)[seg_last] + (q1 - 1 - cu_q[seg_last]) + 1
     span = k_hi - k_lo
-    return int(((q1 - q0) * span).sum()), int((-(-span // block_k)).sum())
+    return int(((q1 - q0) * span).sum()), int((-(-span // block_k)).sum()), len(q0)
 
 
 def kernel_work(shards: Sequence[Shard], kernel: KernelProfile, *, tiles: int | None = None) -> KernelWork:
@@ -111,11 +115,12 @@ def kernel_work(shards: Sequence[Shard], kernel: KernelProfile, *, tiles: int | 
     ``tiles`` may be passed when already counted (segment tiling only).
     """
     if kernel.tiling == "packed":
-        pairs, blocks = packed_blocks(shards, kernel.tile_q, kernel.tile_k)
-        return KernelWork(pairs, blocks, len(shards))
+        pairs, blocks, rows = packed_blocks(shards, kernel.tile_q, kernel.tile_k)
+        return KernelWork(pairs, blocks, len(shards), rows)
     if tiles is None:
         tiles = attention_tiles(shards, kernel.tile_q, kernel.tile_k)
-    return KernelWork(tiles * kernel.tile_q * kernel.tile_k, tiles, len(shards))
+    rows = sum(-(-(s.end - s.start) // kernel.tile_q) for s in shards)
+    return KernelWork(tiles * kernel.tile_q * kernel.tile_k, tiles, len(shards), rows)
 
 
 def kernel_ms(work: KernelWork, model: ModelSpec, kernel: KernelProfile, *, num_calls: int = 1) -> float:
@@ -128,6 +133,7 @@ def kernel_ms(work: KernelWork, model: ModelSpec, kernel: KernelProfile, *, num_
         num_calls * kernel.call_overhead_us
         + work.segments * kernel.per_seq_us
         + work.tiles * kernel.per_tile_us
+        + work.row_blocks * kernel.per_row_block_us
     )
     return compute_s * 1e3 + overhead_us * 1e-3
 
@@ -173,9 +179,10 @@ def copy_ms(num_bytes: int, kernel: KernelProfile) -> float:
     return num_bytes / (kernel.copy_gbps * 1e9) * 1e3 + COPY_OPS * kernel.op_overhead_us * 1e-3
 
 
-def transfer_ms(num_bytes: int, link: LinkProfile) -> float:
-    """One blocking collective: latency + bytes / bandwidth."""
-    return link.latency_us * 1e-3 + num_bytes / (link.bandwidth_gbps * 1e9) * 1e3
+def transfer_ms(num_bytes: int, link: LinkProfile, peers: int = 1) -> float:
+    """One blocking collective with ``peers`` other ranks: latency + per-peer step cost
+    + bytes / bandwidth."""
+    return (link.latency_us + peers * link.per_peer_us) * 1e-3 + num_bytes / (link.bandwidth_gbps * 1e9) * 1e3
 
 
 def linear_ms(tokens: int, model: ModelSpec, kernel: KernelProfile) -> float:
@@ -224,20 +231,74 @@ def rank_step(
     ``recv_tokens`` is what the rank receives per pass in ``comm_mode`` (for ``p2p_ring``
     the full all-gather's (N - 1) x tokens_per_rank, which the runtime runs instead).
     Each pass with anything received costs one collective; forward and backward move the
-    same bytes. ``num_ranks`` and ``comm_mode`` do not change the terms: the runtime runs
-    every mode as one blocking collective per pass and one kernel call.
+    same bytes. ``comm_mode`` does not change the terms: the runtime runs every mode as
+    one blocking collective per pass (over ``num_ranks`` - 1 peers) and one kernel call.
     """
-    del num_ranks, comm_mode  # every mode runs as one blocking collective per pass
+    del comm_mode  # every mode runs as one blocking collective per pass
     real = sum(s.end - s.start for s in shards)
     work = kernel_work(shards, kernel, tiles=tiles if kernel.tiling == "segment" else None)
     copies = copy_bytes(
         tokens_per_rank=tokens_per_rank, recv_tokens=recv_tokens, key_tokens=key_rows(shards),
         real_tokens=real, model=model,
     )
-    comm = 2 * transfer_ms(recv_tokens * model.kv_bytes_per_token, link) if recv_tokens else 0.0
+    comm = (
+        2 * transfer_ms(recv_tokens * model.kv_bytes_per_token, link, num_ranks - 1)
+        if recv_tokens
+        else 0.0
+    )
     return StepEstimate(
         kernel_ms(work, model, kernel),
         copy_ms(copies, kernel) if tokens_per_rank else 0.0,
         comm,
         linear_ms(tokens_per_rank, model, kernel),
     )
+
+
+class RankTerms(NamedTuple):
+    """One rank's inputs to the estimate (what a fit regresses on) and the estimate."""
+
+    group: int
+    rank: int
+    work: KernelWork
+    fwd_flops: float
+    copy_bytes: int
+    comm_bytes: int
+    """Bytes received over both passes (forward KV, backward dK/dV)."""
+    passes: int
+    """Blocking collectives paid: 2 when this rank receives anything, else 0."""
+    peer_steps: int
+    """passes x (N - 1): the per-peer steps of those collectives."""
+    estimate: StepEstimate
+
+
+def plan_rank_terms(
+    plan: Plan, kernel: KernelProfile, link: LinkProfile, *, comm_mode: str | None = None,
+    model: ModelSpec | None = None,
+) -> list[RankTerms]:
+    """Per grouped rank of ``plan``, the terms of :func:`rank_step` under any profiles
+    (``plan.metrics`` holds them under the plan's named profiles). ``comm_mode`` defaults
+    to the plan's. O(shards + tiles)."""
+    mode = comm_mode or plan.comm_mode
+    model = model or plan.model
+    out = []
+    for gi, group in enumerate(plan.groups):
+        tokens_per_rank = max(
+            sum(s.end - s.start for s in shards) + pad
+            for shards, pad in zip(group.shards, group.padding, strict=True)
+        )
+        recv = recv_tokens_by_mode(mode, comm_volumes(group.shards), tokens_per_rank)
+        for rank, shards, r in zip(group.ranks, group.shards, recv, strict=True):
+            work = kernel_work(shards, kernel)
+            copies = copy_bytes(
+                tokens_per_rank=tokens_per_rank, recv_tokens=r, key_tokens=key_rows(shards),
+                real_tokens=sum(s.end - s.start for s in shards), model=model,
+            )
+            est = rank_step(shards, recv_tokens=r, tokens_per_rank=tokens_per_rank,
+                            num_ranks=len(group.ranks), comm_mode=mode, model=model,
+                            kernel=kernel, link=link)
+            out.append(RankTerms(
+                gi, rank, work, 4.0 * model.head_dim * model.num_heads * work.pairs, copies,
+                2 * r * model.kv_bytes_per_token, 2 if r else 0,
+                (2 if r else 0) * (len(group.ranks) - 1), est,
+            ))
+    return out
