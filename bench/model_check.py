@@ -15,8 +15,8 @@
    runtime's forward+backward attention layer (``ContextParallelAttention`` call plus
    backward), of its kernel alone (the same varlen call on the rank's layout) and of its
    KV exchange alone (the exchanger's forward and backward); copies = layer - kernel -
-   exchange. On CPU the times are each rank's process CPU time (every rank of a world
-   starts each repeat at a barrier): the machine has fewer cores than ranks, and CPU time
+   exchange. On CPU the times are each rank's process CPU time (the ranks of a world
+   meet at a barrier before each measured function): the machine has fewer cores than ranks, and CPU time
    counts a rank's own work as if it had a core to itself, like a rank on its own GPU; a
    rank waiting in gloo uses no CPU (gloo blocks, it does not spin). Wall times are
    recorded beside them. On CUDA the times are wall times after a device synchronize.
@@ -110,9 +110,8 @@ def make_batches(datasets: Sequence[str], cp_sizes: Sequence[int], sequences: in
 # -- measurement (runs inside each rank's process) ---------------------------------------
 
 def _timer(device: torch.device) -> Callable[[Callable[[], None]], tuple[float, float]]:
-    """(cpu ms, wall ms) of one call; all ranks start it at a barrier."""
+    """(cpu ms, wall ms) of one call."""
     def run(fn: Callable[[], None]) -> tuple[float, float]:
-        dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         c0, w0 = time.process_time(), time.perf_counter()
@@ -164,11 +163,46 @@ def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: 
 
     timer = _timer(device)
     out: dict[str, float] = {}
+    # CPU: process CPU time (see the module docstring); CUDA: wall time after a synchronize.
+    primary = 1 if device.type == "cuda" else 0
     for name, fn in (("layer", layer), ("kernel", kernel_call), ("exchange", exchange)):
         fn()  # warm-up
+        # One barrier per measured function: CPU time does not count waiting, and the
+        # layer's and exchange's own collectives keep the ranks in step on CUDA.
+        dist.barrier()
         runs = [timer(fn) for _ in range(repeats)]
-        out[f"{name}_ms"] = statistics.median(r[0] for r in runs)
+        out[f"{name}_ms"] = statistics.median(r[primary] for r in runs)
         out[f"{name}_wall_ms"] = statistics.median(r[1] for r in runs)
+    return out
+
+
+def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torch.device,
+                        dtype: torch.dtype, kernel: str) -> list[dict[str, float | None]]:
+    """Per rank of ``plan``, its kernel alone on this one device (wall ms after a
+    synchronize), ranks one after another: the kernel term where the plan has more ranks
+    than there are GPUs. Layer, copies and exchange are not measured (None)."""
+    from worker_runtime import build_layout
+    from worker_runtime.profiler import median_ms
+
+    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    out: list[dict[str, float | None]] = []
+    for rank in range(plan.cp_size):
+        lay = build_layout(plan, rank)
+        keys = int(lay.cu_seqlens_k[-1])
+        ms = 0.0
+        if lay.num_real:
+            meta = build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device)
+            q = torch.randn((lay.num_real, h, d), device=device, dtype=dtype, requires_grad=True)
+            k = torch.randn((keys, g, d), device=device, dtype=dtype, requires_grad=True)
+            v = torch.randn((keys, g, d), device=device, dtype=dtype, requires_grad=True)
+            dout = torch.randn_like(q)
+
+            def call(q=q, k=k, v=v, meta=meta, dout=dout) -> None:
+                torch.autograd.grad(varlen_attention(q, k, v, meta, d**-0.5, kernel), (q, k, v), dout)
+
+            ms = median_ms(call, device, repeats=repeats)
+        out.append({"kernel_ms": ms, "kernel_wall_ms": ms, "layer_ms": None, "exchange_ms": None,
+                    "layer_wall_ms": None, "exchange_wall_ms": None})
     return out
 
 
@@ -225,7 +259,7 @@ def run_nccl(world: int, args: tuple[Any, ...], timeout_s: float) -> list[Any]:
 
 # -- records, fit, validation --------------------------------------------------------------
 
-def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], list[dict[str, float]]],
+def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], list[dict[str, float | None]]],
                  kernel: KernelProfile, link: LinkProfile) -> list[dict[str, Any]]:
     """One record per grouped rank of every measured plan: model inputs + measured times."""
     out = []
@@ -236,6 +270,9 @@ def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], 
                 continue
             for terms in plan_rank_terms(plan, kernel, link, comm_mode=run_mode(plan)):
                 m = per_rank[terms.rank]
+                layer, kern, exch = m["layer_ms"], m["kernel_ms"], m["exchange_ms"]
+                copies = None if layer is None or kern is None or exch is None else max(
+                    0.0, layer - kern - exch)
                 out.append({
                     "batch": bi, "strategy": s, "plan_id": plan.plan_id, "comm_mode": run_mode(plan),
                     "n": b["n"], "dataset": b["dataset"], "rank": terms.rank, "group": terms.group,
@@ -243,7 +280,7 @@ def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], 
                     "row_blocks": terms.work.row_blocks, "peer_steps": terms.peer_steps,
                     "fwd_flops": terms.fwd_flops, "copy_bytes": terms.copy_bytes,
                     "comm_bytes": terms.comm_bytes, "passes": terms.passes,
-                    **m, "copy_ms": max(0.0, m["layer_ms"] - m["kernel_ms"] - m["exchange_ms"]),
+                    **m, "copy_ms": copies,
                 })
     return out
 
@@ -287,7 +324,11 @@ def validate(batches: list[dict[str, Any]], records: list[dict[str, Any]], kerne
         rows = []
         for s, plan in b["plans"].items():
             recs = by_plan.get((bi, s))
-            if not recs:
+            if not recs or any(r["layer_ms"] is None for r in recs):
+                if recs:  # kernel-only records: per-term predictions only
+                    _, per_rank = predict(plan, kernel, link)
+                    for r in recs:
+                        r.update(pred_kernel_ms=per_rank[r["rank"]].kernel_ms)
                 continue
             pred, per_rank = predict(plan, kernel, link)
             meas = max(r["layer_ms"] for r in recs)
@@ -326,7 +367,7 @@ def term_errors(records: list[dict[str, Any]]) -> dict[str, float]:
     for term, pred in (("kernel_ms", "pred_kernel_ms"), ("copy_ms", "pred_copy_ms"),
                        ("exchange_ms", "pred_exchange_ms")):
         errs = [abs(r[pred] - r[term]) / r[term] for r in records
-                if r["batch"] % 2 == 1 and r[term] > 0 and pred in r]
+                if r["batch"] % 2 == 1 and r.get(term) and pred in r]
         out[term] = float(np.median(errs)) if errs else float("nan")
     return out
 
@@ -367,7 +408,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = make_batches(args.datasets, args.cp_sizes, args.sequences, args.tokens_per_rank, model,
                            args.strategies, base_kernel.name, base_link.name)
     plan_seconds = time.perf_counter() - start
-    measured: dict[tuple[int, str], list[dict[str, float]]] = {}
+    measured: dict[tuple[int, str], list[dict[str, float | None]]] = {}
     kernel_name = "flash" if cuda else "torch"
     for n in args.cp_sizes:
         keys = [(bi, s) for bi, b in enumerate(batches) if b["n"] == n for s in b["plans"]]
@@ -375,9 +416,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         work = ([batches[bi]["plans"][s].to_json() for bi, s in keys], model.to_dict(), args.repeats,
                 args.device, kernel_name)
+        if cuda and n > torch.cuda.device_count():
+            device = torch.device("cuda:0")
+            for bi, s in keys:
+                measured[(bi, s)] = measure_kernel_only(batches[bi]["plans"][s], model, args.repeats,
+                                                        device, torch.bfloat16, kernel_name)
+            continue
         if cuda:
-            if n > torch.cuda.device_count():
-                continue
             results = run_nccl(n, work, timeout_s=args.world_timeout)
         else:
             results = run_distributed(measure_worker, n, *work, timeout_s=args.world_timeout,

@@ -68,6 +68,8 @@ def check_records(records: Any) -> list[dict[str, Any]]:
             raise ValueError(f"records[{i}] must be an object")
         for key in FEATURES + MEASURED:
             value = rec.get(key)
+            if key in MEASURED and value is None:
+                continue  # not measured in this record (a kernel-only run)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 math.isfinite(value) and value >= 0
             ):
@@ -103,31 +105,45 @@ def _column(records: Sequence[dict[str, Any]], key: str) -> np.ndarray:
     return np.array([float(r[key]) for r in records])
 
 
+def _measured(records: Sequence[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get(key) is not None]
+
+
 def fit_step_profile(
     records: Sequence[dict[str, Any]], *, base_kernel: KernelProfile, base_link: LinkProfile,
     name: str,
 ) -> FitResult:
     """Kernel and link profiles named ``name`` fitted from ``records`` (module docstring).
-    A term with no usable records keeps the base value. O(records)."""
+    A term with no usable records keeps the base value (a measured time may be None:
+    not measured). O(records)."""
     records = check_records(list(records))
     report: dict[str, Any] = {}
-    ones = np.ones(len(records))
-
-    kx = np.column_stack([_column(records, "fwd_flops"), _column(records, "tiles"),
-                          _column(records, "row_blocks"), _column(records, "segments"), ones])
-    kc, kres = nnls_relative(kx, _column(records, "kernel_ms"))
+    timed = _measured(records, "kernel_ms")
+    if len(timed) < 2:
+        raise ValueError("records need at least 2 measured kernel_ms values to fit the kernel")
+    kx = np.column_stack([_column(timed, "fwd_flops"), _column(timed, "tiles"),
+                          _column(timed, "row_blocks"), _column(timed, "segments"),
+                          np.ones(len(timed))])
+    kc, kres = nnls_relative(kx, _column(timed, "kernel_ms"))
     ratio = base_kernel.fwd_tflops / base_kernel.bwd_tflops
     fwd = 1e-9 * (1 + BWD_FLOP_RATIO * ratio) / kc[0] if kc[0] > 0 else FAST
     report["kernel"] = {"ms_per_flop": kc[0], "ms_per_tile": kc[1], "ms_per_row_block": kc[2],
                         "ms_per_segment": kc[3], "ms_per_call": kc[4], "rms_rel_pct": kres,
-                        "records": len(records)}
+                        "records": len(timed)}
 
-    cx = np.column_stack([_column(records, "copy_bytes"), ones])
-    cc, cres = nnls_relative(cx, _column(records, "copy_ms"))
-    report["copy"] = {"ms_per_byte": cc[0], "ms_per_call": cc[1], "rms_rel_pct": cres,
-                      "records": len(records)}
+    copied = _measured(records, "copy_ms")
+    copy_changes: dict[str, Any] = {}
+    if len(copied) >= 2:
+        cx = np.column_stack([_column(copied, "copy_bytes"), np.ones(len(copied))])
+        cc, cres = nnls_relative(cx, _column(copied, "copy_ms"))
+        copy_changes = {"copy_gbps": 1e-6 / cc[0] if cc[0] > 0 else FAST,
+                        "op_overhead_us": cc[1] * 1e3 / COPY_OPS}
+        report["copy"] = {"ms_per_byte": cc[0], "ms_per_call": cc[1], "rms_rel_pct": cres,
+                          "records": len(copied)}
+    else:
+        report["copy"] = {"kept": base_kernel.name, "records": len(copied)}
 
-    moving = [r for r in records if r["passes"] > 0]
+    moving = [r for r in _measured(records, "exchange_ms") if r["passes"] > 0]
     link = base_link
     if len(moving) >= 2:
         ex = np.column_stack([_column(moving, "comm_bytes"), _column(moving, "passes"),
@@ -145,8 +161,7 @@ def fit_step_profile(
     kernel = replace(
         base_kernel, name=name, fwd_tflops=fwd, bwd_tflops=fwd / ratio,
         per_tile_us=kc[1] * 1e3, per_row_block_us=kc[2] * 1e3, per_seq_us=kc[3] * 1e3,
-        call_overhead_us=kc[4] * 1e3,
-        copy_gbps=1e-6 / cc[0] if cc[0] > 0 else FAST, op_overhead_us=cc[1] * 1e3 / COPY_OPS,
+        call_overhead_us=kc[4] * 1e3, **copy_changes,
         source=f"fitted from {len(records)} rank records; tiling of {base_kernel.name}",
     )
     return FitResult(kernel, link, report)
