@@ -526,7 +526,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-smoke", type=Path, metavar="DIR", help="tiny end-to-end run into DIR")
     parser.add_argument("--world-timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
-    args.command = "python -m bench.model_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.command = " ".join(["python -m bench.model_check", *(argv if argv is not None else sys.argv[1:])])
     args.strategies, args.cp_sizes = STRATEGIES, CP_SIZES
     args.datasets = (*DATASETS, *ADVERSARIAL)
     cuda = args.device == "cuda"
