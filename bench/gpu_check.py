@@ -9,6 +9,11 @@
    (Llama-3-8B attention shape, bf16, N = 8).
 3. Profiler timings (``cp-planner-timings/v1``) of flashcp and zigzag plans on packed
    WLB-LLM sequences, for the cost-model fit (bench/results/timings_gpu.json).
+4. The step-time model check (bench/model_check.py ``--device cuda``): plans of every
+   strategy at N in {2, 3, 4, 8}; worlds of up to the visible GPU count run on NCCL
+   (kernel, copies and exchange per rank), larger N time each rank's flash-attn kernel on
+   one GPU; fits the profile on half the batches and validates on the rest
+   (bench/results/model_check_gpu.md, .json, .png, _profile.json).
 
 Without CUDA it prints why and exits 0 without writing anything. ``--cpu-smoke`` runs
 the same code paths on CPU at 1/64 scale (float32, torch kernel) into a scratch folder,
@@ -84,11 +89,28 @@ def profile(kernel: str, path: Path, device: str, dtype: torch.dtype, scale: int
     return len(records)
 
 
+def model_check_step(smoke_dir: Path | None) -> str:
+    """Run bench/model_check.py (CUDA, or its CPU smoke mode into ``smoke_dir``); one line."""
+    from bench import model_check
+
+    argv = ["--cpu-smoke", str(smoke_dir / "model_check")] if smoke_dir else ["--device", "cuda"]
+    start = time.perf_counter()
+    args = model_check.parse_args(argv)
+    r = model_check.run(args)
+    return (f"`python -m bench.model_check {' '.join(argv)}` ({time.perf_counter() - start:.0f} s): "
+            f"{r['num_plans']} plans, {r['held_out_plans']} held out with whole-layer times: median "
+            f"abs rel error {r['median_abs_rel_error']:.1%}, p90 {r['p90_abs_rel_error']:.1%}, "
+            f"Spearman {r['spearman']:.3f}, model's fastest right in {r['fastest_ok']} / "
+            f"{r['num_batches']} batches; kernel term median error {r['terms']['kernel_ms']:.1%}. "
+            f"Table: {args.out_dir / (args.stem + '.md')}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.md")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-profile", action="store_true")
+    parser.add_argument("--skip-model-check", action="store_true")
     parser.add_argument("--cpu-smoke", type=Path, metavar="DIR",
                         help="run every step on CPU at 1/64 scale, writing into DIR")
     args = parser.parse_args()
@@ -107,6 +129,7 @@ def main() -> int:
     tests = run_gpu_tests()
     fig3 = figure3(kernel, repeats, device, dtype, scale, model)
     num_records = 0 if args.skip_profile else profile(kernel, timings, device, dtype, scale, model)
+    check = None if args.skip_model_check else model_check_step(args.cpu_smoke)
     lines = [
         "# Worker runtime GPU check",
         "",
@@ -128,6 +151,10 @@ def main() -> int:
           + ", ".join(f"{x:.2f}" for x in r["per_rank_ms"]) + " |" for r in fig3),
         "",
         f"Profiler: {num_records} attention records -> {timings}",
+        "",
+        "## Step-time model check",
+        "",
+        check or "skipped",
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

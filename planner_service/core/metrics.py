@@ -15,7 +15,6 @@ from planner_service.core.step_time import (
     attention_tiles_of,
     attention_tiles_per_shard,
     rank_step,
-    rank_step_totals,
 )
 
 
@@ -47,7 +46,7 @@ def group_metrics_of(
 ) -> tuple[Metrics, RankStats]:
     """``group_metrics`` given the shards also as ``cost.ShardArrays`` (None: not
     representable in int64, computed shard by shard). O(s log s) for s shards in numpy,
-    plus ``rank_step`` for the few ranks within rounding of the slowest."""
+    plus ``rank_step`` per rank (O(shards + tiles))."""
     n = len(shards_per_rank)
     kernel_profile, link_profile = get_kernel_profile(kernel), get_link_profile(link)
     counts = np.fromiter(map(len, shards_per_rank), dtype=np.int64, count=n)
@@ -75,14 +74,7 @@ def group_metrics_of(
     tokens_per_rank = max(t + p for t, p in zip(tokens, padding, strict=True))
     full = cost.full_exchange_tokens(n, tokens_per_rank)
     recv = cost.recv_tokens_by_mode(comm_mode, volumes, tokens_per_rank)
-    # The slowest rank: every rank's total at once, then ``rank_step`` for the ranks within
-    # rounding of the largest (ties: the lowest rank).
     tiles = cost.per_rank_sums(per_shard, bounds)
-    totals = rank_step_totals(
-        counts, tiles, np.array(recv, dtype=np.float64), tokens_per_rank=tokens_per_rank,
-        num_ranks=n, comm_mode=comm_mode, model=model, kernel=kernel_profile, link=link_profile,
-    )
-    top = float(totals.max())
     steps = {
         i: rank_step(
             shards_per_rank[i],
@@ -95,7 +87,7 @@ def group_metrics_of(
             link=link_profile,
             tiles=int(tiles[i]),
         )
-        for i in np.flatnonzero(totals >= top - 1e-9 * abs(top)).tolist()
+        for i in range(n)
     }
     slowest = max(steps, key=lambda i: (steps[i].total_ms, -i))
     comm_tokens = max(recv)

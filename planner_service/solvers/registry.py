@@ -161,8 +161,8 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
     ),
     Strategy(
         name="auto",
-        description="The layout among flashcp, per_doc and llama3 with the lowest estimated step "
-        "time (compared under all-to-all-v)",
+        description="The strategy among flashcp, per_doc, llama3, zigzag and ring, and the "
+        "exchange, with the least predicted step time under the request's profiles",
         solver=_auto_layout,
         comm_mode="alltoallv",
         load=_auto_load,
@@ -230,7 +230,8 @@ def solve(request: PlanRequest, *, check: bool = True) -> Plan:
         cp_size=request.cp_size,
         doc_lengths=doc_lengths,
         context_length=request.context_length,
-        comm_mode=request.comm_mode or strategy.comm_mode,
+        # A solver that chooses the exchange itself (auto) names it in its info.
+        comm_mode=request.comm_mode or layout.info.get("comm_mode") or strategy.comm_mode,
         model=request.model,
         kernel=request.kernel,
         link=request.link,

@@ -1,0 +1,559 @@
+"""The step-time model against the worker runtime: measure plans, fit on half, predict the rest.
+
+    .venv/bin/python -m bench.model_check                 # full CPU calibration (bench/results/)
+    .venv/bin/python -m bench.model_check --cpu-smoke DIR # tiny end-to-end run (CI), into DIR
+    .venv/bin/python -m bench.model_check --device cuda   # NCCL + flash-attn (bench/gpu_check.py)
+
+1. Batches: packed sequences of the shared data sets (``wlbllm``, ``code``), parametric
+   families (``family:pile``, ``family:redpajama``) and adversarial inputs (one doc filling
+   the context; docs of 8 tokens), for N in {2, 3, 4, 8}, ``--tokens-per-rank`` tokens per
+   rank (context = N x that). A batch is one sequence at one N; every strategy in
+   STRATEGIES plans it (each with its own exchange; ``p2p_ring`` runs as the full
+   all-gather, as the runtime runs it).
+2. Measure: one process group per N (gloo on loopback, 1 thread per rank; NCCL with one
+   GPU per rank on CUDA). Per plan and rank, the median over ``--repeats`` of the
+   runtime's forward+backward attention layer (``ContextParallelAttention`` call plus
+   backward), of its kernel alone (the same varlen call on the rank's layout) and of its
+   KV exchange alone (the exchanger's forward and backward); copies = layer - kernel -
+   exchange. On CPU the times are each rank's process CPU time (the ranks of a world
+   meet at a barrier before each measured function): the machine has fewer cores than ranks, and CPU time
+   counts a rank's own work as if it had a core to itself, like a rank on its own GPU; a
+   rank waiting in gloo uses no CPU (gloo blocks, it does not spin). Wall times are
+   recorded beside them. On CUDA the times are wall times after a device synchronize.
+3. Fit the model's coefficients (core/profile_fit.py) on the rank records of the batches
+   with even index, predict every plan of the odd ones: a plan's measured step is the
+   largest per-rank layer time, its prediction the largest per-rank kernel + copies +
+   exchange of core/step_time.py under the fitted profile.
+4. Report: median and p90 absolute relative error, Spearman correlation of predicted vs
+   measured over held-out plans, and per held-out batch whether the strategy the model
+   ranks fastest is measured fastest or within 3% of it. Writes ``model_check.md``,
+   ``model_check.json`` (every record with its prediction), ``model_check.png`` (scatter)
+   and ``model_check_profile.json`` (the fitted profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from planner_service.core.model import ModelSpec
+from planner_service.core.plan import Plan
+from planner_service.core.profile_fit import RECORDS_FORMAT, fit_step_profile, profile_document
+from planner_service.core.profiles import (
+    KernelProfile,
+    LinkProfile,
+    get_kernel_profile,
+    get_link_profile,
+)
+from planner_service.core.request import PlanRequest
+from planner_service.core.step_time import plan_rank_terms
+from planner_service.data import make_source, pack_sequences
+from planner_service.solvers.registry import solve
+from worker_runtime import ContextParallelAttention, build_meta, varlen_attention
+from worker_runtime.testing import free_port, run_distributed
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STRATEGIES = ("flashcp", "per_doc", "llama3", "ring", "zigzag", "fcp", "ilp")
+OPTIONS: dict[str, dict[str, Any]] = {"ilp": {"time_limit_s": 1.0, "workers": 1}}
+DATASETS = ("wlbllm", "code", "family:pile", "family:redpajama")
+ADVERSARIAL = ("one doc", "8-token docs")
+CP_SIZES = (2, 3, 4, 8)
+CPU_MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype_bytes=4,
+                      hidden_size=128, ffn_hidden_size=256)
+GPU_MODEL = ModelSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+WITHIN = 0.03
+"""A batch's model-fastest strategy counts as right when measured within 3% of the fastest."""
+
+
+def batch_lengths(dataset: str, context: int, count: int) -> list[list[int]]:
+    if dataset == "one doc":
+        return [[context]]
+    if dataset == "8-token docs":
+        return [[8] * (context // 8)]
+    return pack_sequences(make_source(dataset), context_length=context, num_sequences=count, seed=0)
+
+
+def make_batches(datasets: Sequence[str], cp_sizes: Sequence[int], sequences: int,
+                 tokens_per_rank: int, model: ModelSpec, strategies: Sequence[str],
+                 kernel: str, link: str) -> list[dict[str, Any]]:
+    """Every (data set, N, sequence) with each strategy's plan; a strategy that refuses an
+    input is listed under ``skipped`` with its one-line reason."""
+    batches = []
+    for n in cp_sizes:
+        context = n * tokens_per_rank
+        for ds in datasets:
+            for i, lengths in enumerate(batch_lengths(ds, context, sequences)):
+                plans, skipped = {}, {}
+                for s in strategies:
+                    try:
+                        plans[s] = solve(PlanRequest(
+                            doc_lengths=tuple(lengths), cp_size=n, strategy=s, context_length=context,
+                            model=model, kernel=kernel, link=link, options=OPTIONS.get(s, {})))
+                    except ValueError as exc:
+                        skipped[s] = str(exc).splitlines()[0]
+                batches.append({"dataset": ds, "n": n, "sequence": i, "num_docs": len(lengths),
+                                "plans": plans, "skipped": skipped})
+    return batches
+
+
+# -- measurement (runs inside each rank's process) ---------------------------------------
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None]], tuple[float, float]]:
+    """(cpu ms, wall ms) of one call."""
+    def run(fn: Callable[[], None]) -> tuple[float, float]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        c0, w0 = time.process_time(), time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.process_time() - c0) * 1e3, (time.perf_counter() - w0) * 1e3
+    return run
+
+
+def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: torch.device,
+                 dtype: torch.dtype, kernel: str) -> dict[str, float]:
+    """This rank's layer, kernel and exchange times for ``plan`` (collective over the world)."""
+    attn = ContextParallelAttention(plan, comm_mode=None, kernel=kernel, verify="never")
+    lay = attn.layout
+    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    gen = torch.Generator(device=device).manual_seed(rank)
+
+    def rand(*shape: int, grad: bool = True) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_(grad)
+
+    t = lay.num_tokens
+    q, k, v = rand(t, h, d), rand(t, g, d), rand(t, g, d)
+    dout = rand(t, h, d, grad=False)
+
+    def layer() -> None:
+        out = attn(q, k, v)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    keys = int(lay.cu_seqlens_k[-1])
+    meta = build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device)
+    kq, kk, kv_ = rand(lay.num_real, h, d), rand(keys, g, d), rand(keys, g, d)
+    kdout = rand(lay.num_real, h, d, grad=False)
+
+    def kernel_call() -> None:
+        if lay.num_real:
+            out = varlen_attention(kq, kk, kv_, meta, d**-0.5, kernel)
+            torch.autograd.grad(out, (kq, kk, kv_), kdout)
+
+    exchanger = attn.exchanger(device)
+    local = rand(t, 2, g, d, grad=False)
+    recv_rows = exchanger.comm.recv_rows
+
+    def exchange() -> None:
+        recv = exchanger.forward(local)
+        exchanger.backward(torch.ones((recv_rows, 2, g, d), device=device, dtype=dtype),
+                           torch.zeros_like(local))
+        del recv
+
+    timer = _timer(device)
+    out: dict[str, float] = {}
+    # CPU: process CPU time (see the module docstring); CUDA: wall time after a synchronize.
+    primary = 1 if device.type == "cuda" else 0
+    for name, fn in (("layer", layer), ("kernel", kernel_call), ("exchange", exchange)):
+        fn()  # warm-up
+        # One barrier per measured function: CPU time does not count waiting, and the
+        # layer's and exchange's own collectives keep the ranks in step on CUDA.
+        dist.barrier()
+        runs = [timer(fn) for _ in range(repeats)]
+        out[f"{name}_ms"] = statistics.median(r[primary] for r in runs)
+        out[f"{name}_wall_ms"] = statistics.median(r[1] for r in runs)
+    return out
+
+
+def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torch.device,
+                        dtype: torch.dtype, kernel: str) -> list[dict[str, float | None]]:
+    """Per rank of ``plan``, its kernel alone on this one device (wall ms after a
+    synchronize), ranks one after another: the kernel term where the plan has more ranks
+    than there are GPUs. Layer, copies and exchange are not measured (None)."""
+    from worker_runtime import build_layout
+    from worker_runtime.profiler import median_ms
+
+    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    out: list[dict[str, float | None]] = []
+    for rank in range(plan.cp_size):
+        lay = build_layout(plan, rank)
+        keys = int(lay.cu_seqlens_k[-1])
+        ms = 0.0
+        if lay.num_real:
+            meta = build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device)
+            q = torch.randn((lay.num_real, h, d), device=device, dtype=dtype, requires_grad=True)
+            k = torch.randn((keys, g, d), device=device, dtype=dtype, requires_grad=True)
+            v = torch.randn((keys, g, d), device=device, dtype=dtype, requires_grad=True)
+            dout = torch.randn_like(q)
+
+            def call(q=q, k=k, v=v, meta=meta, dout=dout) -> None:
+                torch.autograd.grad(varlen_attention(q, k, v, meta, d**-0.5, kernel), (q, k, v), dout)
+
+            ms = median_ms(call, device, repeats=repeats)
+        out.append({"kernel_ms": ms, "kernel_wall_ms": ms, "layer_ms": None, "exchange_ms": None,
+                    "layer_wall_ms": None, "exchange_wall_ms": None})
+    return out
+
+
+def measure_worker(rank: int, world: int, plan_jsons: list[str], model: dict[str, Any],
+                   repeats: int, device_kind: str, kernel: str) -> list[dict[str, float]]:
+    device = torch.device(f"cuda:{rank}" if device_kind == "cuda" else "cpu")
+    dtype = torch.bfloat16 if device_kind == "cuda" else torch.float32
+    spec = ModelSpec(**model)
+    return [measure_plan(Plan.from_json(p), rank, spec, repeats, device, dtype, kernel)
+            for p in plan_jsons]
+
+
+def _nccl_child(rank: int, world: int, port: int, args: tuple[Any, ...], results: Any) -> None:
+    import traceback
+    from datetime import timedelta
+
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=300),
+                                device_id=torch.device(f"cuda:{rank}"))
+        results.put((rank, True, measure_worker(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_nccl(world: int, args: tuple[Any, ...], timeout_s: float) -> list[Any]:
+    """measure_worker on ``world`` GPUs, one process each (NCCL); RuntimeError on failure."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_child, args=(r, world, port, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = results.get(timeout=timeout_s)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    return [out[r] for r in range(world)]
+
+
+# -- records, fit, validation --------------------------------------------------------------
+
+def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], list[dict[str, float | None]]],
+                 kernel: KernelProfile, link: LinkProfile) -> list[dict[str, Any]]:
+    """One record per grouped rank of every measured plan: model inputs + measured times."""
+    out = []
+    for bi, b in enumerate(batches):
+        for s, plan in b["plans"].items():
+            per_rank = measured.get((bi, s))
+            if per_rank is None:
+                continue
+            for terms in plan_rank_terms(plan, kernel, link, comm_mode=run_mode(plan)):
+                m = per_rank[terms.rank]
+                layer, kern, exch = m["layer_ms"], m["kernel_ms"], m["exchange_ms"]
+                copies = None if layer is None or kern is None or exch is None else max(
+                    0.0, layer - kern - exch)
+                out.append({
+                    "batch": bi, "strategy": s, "plan_id": plan.plan_id, "comm_mode": run_mode(plan),
+                    "n": b["n"], "dataset": b["dataset"], "rank": terms.rank, "group": terms.group,
+                    "pairs": terms.work.pairs, "tiles": terms.work.tiles, "segments": terms.work.segments,
+                    "row_blocks": terms.work.row_blocks, "peer_steps": terms.peer_steps,
+                    "fwd_flops": terms.fwd_flops, "copy_bytes": terms.copy_bytes,
+                    "comm_bytes": terms.comm_bytes, "passes": terms.passes,
+                    **m, "copy_ms": copies,
+                })
+    return out
+
+
+def run_mode(plan: Plan) -> str:
+    """The exchange the runtime runs for the plan (``p2p_ring`` runs as ``full``)."""
+    return "full" if plan.comm_mode == "p2p_ring" else plan.comm_mode
+
+
+def predict(plan: Plan, kernel: KernelProfile, link: LinkProfile) -> tuple[float, dict[int, Any]]:
+    """(predicted step = largest per-rank layer ms, per-rank terms) under the profiles."""
+    terms = plan_rank_terms(plan, kernel, link, comm_mode=run_mode(plan))
+    return max(t.estimate.layer_ms for t in terms), {t.rank: t.estimate for t in terms}
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(values: Sequence[float]) -> np.ndarray:
+        x = np.asarray(values, dtype=float)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for value in np.unique(x):
+            same = x == value
+            r[same] = r[same].mean()
+        return r
+    ra, rb = ranks(a), ranks(b)
+    if len(a) < 2 or ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def validate(batches: list[dict[str, Any]], records: list[dict[str, Any]], kernel: KernelProfile,
+             link: LinkProfile) -> dict[str, Any]:
+    """Held-out (odd batch) figures under the fitted profiles."""
+    by_plan: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in records:
+        by_plan.setdefault((r["batch"], r["strategy"]), []).append(r)
+    plans, batch_rows = [], []
+    for bi, b in enumerate(batches):
+        rows = []
+        for s, plan in b["plans"].items():
+            recs = by_plan.get((bi, s))
+            if not recs or any(r["layer_ms"] is None for r in recs):
+                if recs:  # kernel-only records: per-term predictions only
+                    _, per_rank = predict(plan, kernel, link)
+                    for r in recs:
+                        r.update(pred_kernel_ms=per_rank[r["rank"]].kernel_ms)
+                continue
+            pred, per_rank = predict(plan, kernel, link)
+            meas = max(r["layer_ms"] for r in recs)
+            for r in recs:
+                e = per_rank[r["rank"]]
+                r.update(pred_kernel_ms=e.kernel_ms, pred_copy_ms=e.copy_ms, pred_exchange_ms=e.comm_ms,
+                         pred_layer_ms=e.layer_ms)
+            rows.append({"batch": bi, "strategy": s, "held_out": bi % 2 == 1, "measured_ms": meas,
+                         "predicted_ms": pred, "rel_error": (pred - meas) / meas})
+        plans += rows
+        held = [r for r in rows if r["held_out"]]
+        if len(held) >= 2:
+            best_pred = min(held, key=lambda r: r["predicted_ms"])
+            fastest = min(r["measured_ms"] for r in held)
+            batch_rows.append({
+                "batch": bi, "dataset": b["dataset"], "n": b["n"], "model_fastest": best_pred["strategy"],
+                "measured_fastest": min(held, key=lambda r: r["measured_ms"])["strategy"],
+                "gap": best_pred["measured_ms"] / fastest - 1.0,
+            })
+    held = [p for p in plans if p["held_out"]]
+    errors = [abs(p["rel_error"]) for p in held]
+    return {
+        "plans": plans, "batches": batch_rows,
+        "held_out_plans": len(held),
+        "median_abs_rel_error": float(np.median(errors)) if errors else float("nan"),
+        "p90_abs_rel_error": float(np.percentile(errors, 90)) if errors else float("nan"),
+        "spearman": spearman([p["predicted_ms"] for p in held], [p["measured_ms"] for p in held]),
+        "fastest_ok": sum(r["gap"] <= WITHIN for r in batch_rows),
+        "num_batches": len(batch_rows),
+    }
+
+
+def term_errors(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Median absolute relative error per term on held-out ranks (terms measured > 0)."""
+    out = {}
+    for term, pred in (("kernel_ms", "pred_kernel_ms"), ("copy_ms", "pred_copy_ms"),
+                       ("exchange_ms", "pred_exchange_ms")):
+        errs = [abs(r[pred] - r[term]) / r[term] for r in records
+                if r["batch"] % 2 == 1 and r.get(term) and pred in r]
+        out[term] = float(np.median(errs)) if errs else float("nan")
+    return out
+
+
+def scatter(path: Path, plans: list[dict[str, Any]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for held, color, label in ((False, "#9ab", "fit half"), (True, "#c33", "held-out half")):
+        pts = [p for p in plans if p["held_out"] == held]
+        ax.scatter([p["measured_ms"] for p in pts], [p["predicted_ms"] for p in pts], s=10,
+                   c=color, label=label)
+    values = [v for p in plans for v in (p["measured_ms"], p["predicted_ms"]) if v > 0]
+    if values:
+        lo, hi = min(values), max(values)
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("measured step ms (max over ranks)")
+    ax.set_ylabel("predicted step ms (fitted profile)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    start = time.perf_counter()
+    load_start = os.getloadavg()
+    cuda = args.device == "cuda"
+    model = GPU_MODEL if cuda else CPU_MODEL
+    base_kernel = get_kernel_profile(args.base_kernel)
+    base_link = get_link_profile(args.base_link)
+    batches = make_batches(args.datasets, args.cp_sizes, args.sequences, args.tokens_per_rank, model,
+                           args.strategies, base_kernel.name, base_link.name)
+    plan_seconds = time.perf_counter() - start
+    measured: dict[tuple[int, str], list[dict[str, float | None]]] = {}
+    kernel_name = "flash" if cuda else "torch"
+    for n in args.cp_sizes:
+        keys = [(bi, s) for bi, b in enumerate(batches) if b["n"] == n for s in b["plans"]]
+        if not keys:
+            continue
+        work = ([batches[bi]["plans"][s].to_json() for bi, s in keys], model.to_dict(), args.repeats,
+                args.device, kernel_name)
+        if cuda and n > torch.cuda.device_count():
+            device = torch.device("cuda:0")
+            for bi, s in keys:
+                measured[(bi, s)] = measure_kernel_only(batches[bi]["plans"][s], model, args.repeats,
+                                                        device, torch.bfloat16, kernel_name)
+            continue
+        if cuda:
+            results = run_nccl(n, work, timeout_s=args.world_timeout)
+        else:
+            results = run_distributed(measure_worker, n, *work, timeout_s=args.world_timeout,
+                                      pg_timeout_s=args.world_timeout)
+        for j, key in enumerate(keys):
+            measured[key] = [results[r][j] for r in range(n)]
+    records = rank_records(batches, measured, base_kernel, base_link)
+    fit_records = [r for r in records if r["batch"] % 2 == 0]
+    fitted = fit_step_profile(fit_records, base_kernel=base_kernel, base_link=base_link,
+                              name=args.profile_name)
+    result = validate(batches, records, fitted.kernel, fitted.link)
+    result.update(
+        seconds=time.perf_counter() - start, plan_seconds=plan_seconds, load_start=load_start,
+        load_end=os.getloadavg(), records=records, fit=profile_document(fitted),
+        terms=term_errors(records), num_plans=sum(1 for _ in measured),
+        skipped=[f"{b['dataset']} N={b['n']} #{b['sequence']}: {s}: {why}"
+                 for b in batches for s, why in b["skipped"].items()],
+    )
+    write_outputs(args, result, model)
+    return result
+
+
+def write_outputs(args: argparse.Namespace, r: dict[str, Any], model: ModelSpec) -> None:
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.stem
+    (out / f"{stem}_profile.json").write_text(json.dumps(r["fit"], indent=1) + "\n")
+    doc = {"format": RECORDS_FORMAT, "device": args.device, "model": model.to_dict(),
+           "base_kernel": args.base_kernel, "base_link": args.base_link, "records": r["records"],
+           "plans": r["plans"], "batches": r["batches"]}
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    title = (f"{args.device}: {r['held_out_plans']} held-out plans, median |err| "
+             f"{r['median_abs_rel_error']:.1%}, Spearman {r['spearman']:.2f}")
+    scatter(out / f"{stem}.png", r["plans"], title)
+    k, link = r["fit"]["kernel"], r["fit"]["link"]
+    fit = r["fit"]["fit"]
+    ok = r["fastest_ok"], r["num_batches"]
+    lines = [
+        f"# The step-time model against the worker runtime ({args.device})",
+        "",
+        f"Command: `{args.command}`",
+        "",
+        f"Machine: {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"{'NCCL, flash-attn, bf16' if args.device == 'cuda' else 'gloo on loopback, PyTorch kernel, float32, 1 thread per rank'}; "
+        f"model {model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim}. "
+        f"{r['num_plans']} plans measured ({len(r['records'])} rank records), {args.repeats} repeats "
+        f"each (median); data sets {', '.join(args.datasets)}; N in {list(args.cp_sizes)}; "
+        f"{args.tokens_per_rank} tokens per rank. Run took {r['seconds']:.0f} s "
+        f"(planning {r['plan_seconds']:.0f} s); load average {r['load_start'][0]:.1f} at start, "
+        f"{r['load_end'][0]:.1f} at end.",
+        "",
+        "## Held-out plans (odd batches; profile fitted on the even ones)",
+        "",
+        "| figure | value | target |",
+        "|---|---:|---:|",
+        f"| held-out plans | {r['held_out_plans']} | |",
+        f"| median abs rel error of the step | {r['median_abs_rel_error']:.1%} | <= 10% |",
+        f"| p90 abs rel error of the step | {r['p90_abs_rel_error']:.1%} | <= 25% |",
+        f"| Spearman predicted vs measured | {r['spearman']:.3f} | >= 0.9 |",
+        f"| batches whose model-fastest is measured fastest or within 3% | {ok[0]} / {ok[1]} "
+        f"({ok[0] / max(1, ok[1]):.0%}) | >= 90% |",
+        "",
+        "Median abs rel error per term on held-out ranks: "
+        + ", ".join(f"{t} {e:.1%}" for t, e in r["terms"].items()) + ".",
+        "",
+        "## Fitted profile",
+        "",
+        f"Kernel: fwd {k['fwd_tflops'] * 1e3:.3g} GFLOP/s, bwd {k['bwd_tflops'] * 1e3:.3g} GFLOP/s, "
+        f"per tile {k['per_tile_us']:.3g} us, per query block {k['per_row_block_us']:.3g} us, "
+        f"per segment {k['per_seq_us']:.3g} us, per call "
+        f"{k['call_overhead_us']:.3g} us (RMS residual {fit['kernel']['rms_rel_pct']:.1f}%); copies "
+        f"{k['copy_gbps']:.3g} GB/s + {k['op_overhead_us']:.3g} us per op (RMS "
+        f"{fit['copy']['rms_rel_pct']:.1f}%); exchange {link['bandwidth_gbps']:.3g} GB/s + "
+        f"{link['latency_us']:.3g} us per collective + {link['per_peer_us']:.3g} us per peer"
+        + (f" (RMS {fit['exchange']['rms_rel_pct']:.1f}%)." if "rms_rel_pct" in fit["exchange"] else "."),
+        "",
+        "## Held-out batches",
+        "",
+        "| data | N | model fastest | measured fastest | model's pick vs fastest |",
+        "|---|---:|---|---|---:|",
+        *(f"| {b['dataset']} | {b['n']} | {b['model_fastest']} | {b['measured_fastest']} | "
+          f"+{b['gap']:.1%} |" for b in r["batches"]),
+        "",
+        f"Files: {args.stem}.json (records and predictions), {args.stem}.png (scatter), "
+        f"{args.stem}_profile.json (fitted profile).",
+    ]
+    if r["skipped"]:
+        lines += ["", "Plans a strategy refused (not measured):", "",
+                  *(f"- {s}" for s in r["skipped"])]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--sequences", type=int, default=2, help="sequences per data set and N")
+    parser.add_argument("--tokens-per-rank", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--cpu-smoke", type=Path, metavar="DIR", help="tiny end-to-end run into DIR")
+    parser.add_argument("--world-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+    args.command = " ".join(["python -m bench.model_check", *(argv if argv is not None else sys.argv[1:])])
+    args.strategies, args.cp_sizes = STRATEGIES, CP_SIZES
+    args.datasets = (*DATASETS, *ADVERSARIAL)
+    cuda = args.device == "cuda"
+    args.base_kernel = "h100-fa2" if cuda else "cpu-torch"
+    args.base_link = "nvlink" if cuda else "gloo-local"
+    args.profile_name = f"fitted-{args.base_kernel}"
+    args.stem = "model_check_gpu" if cuda else "model_check"
+    if args.tokens_per_rank is None:
+        args.tokens_per_rank = 16384 if cuda else 1024
+    if args.cpu_smoke:
+        args.device, args.base_kernel, args.base_link = "cpu", "cpu-torch", "gloo-local"
+        args.profile_name, args.stem = "fitted-cpu-torch", "model_check"
+        args.out_dir, args.sequences, args.repeats = args.cpu_smoke, 1, 1
+        args.tokens_per_rank, args.cp_sizes = 128, (3,)
+        args.datasets = ("wlbllm", "family:pile", "one doc")
+        args.strategies = ("flashcp", "per_doc", "llama3", "zigzag", "fcp")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("model_check: no CUDA device; nothing run, nothing written")
+        return 0
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

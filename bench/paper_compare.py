@@ -1,0 +1,158 @@
+"""The step-time model's PREDICTED speedups of flashcp next to the FlashCP paper's measured ones.
+
+    .venv/bin/python -m bench.paper_compare [--sequences 16]   # writes bench/results/paper_compare.md
+
+The paper's setting (FlashCP, arXiv:2606.08476, section A4): one node of 8 H100 SXM 80GB on
+NVLink; 128K context; CP 4 and 8; 16 and 32 attention heads of dim 128; WLB-LLM, Pile and
+RedPajama document lengths, sequences packed to the window with the last document cut.
+Measured average speedups of FlashCP: 1.63x over Per-Doc CP, 1.38x over Llama3 CP, 1.97x
+over Ring-Attn, 2.14x over Ring-Attn (Zigzag).
+
+Here: WLB-LLM (``wlbllm``) and Pile-like (``family:pile``) sequences, each strategy planned
+by this planner and estimated with core/step_time.py under ``h100-fa2`` and ``h100-fa3``
+with ``nvlink``, as the worker runtime executes the plan (its own exchange: flashcp
+all-to-all-v, per_doc and llama3 full all-gather, ring and zigzag as the full all-gather
+the runtime runs for ``p2p_ring``; nothing overlapped). The time compared is the attention
+layer (kernel + copies + exchange, forward + backward), the part CP changes; the linear
+layers are the same for every strategy. No coefficient is tuned to the paper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from pathlib import Path
+
+from planner_service.core.model import ModelSpec
+from planner_service.core.plan import Plan
+from planner_service.core.request import PlanRequest
+from planner_service.data import CONTEXT_128K, make_source, pack_sequences
+from planner_service.solvers.registry import solve
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DATASETS = {"WLB-LLM": "wlbllm", "Pile-like": "family:pile"}
+BASELINES = ("per_doc", "llama3", "ring", "zigzag")
+PAPER = {"per_doc": 1.63, "llama3": 1.38, "ring": 1.97, "zigzag": 2.14}
+PROFILES = ("h100-fa2", "h100-fa3")
+CP_SIZES = (4, 8)
+HEADS = (16, 32)
+
+
+def model_for(heads: int) -> ModelSpec:
+    """The paper's attention shape: ``heads`` heads of dim 128, bf16. It names no GQA, so
+    K and V have as many heads as Q (MHA)."""
+    return ModelSpec(num_heads=heads, num_kv_heads=heads, head_dim=128)
+
+
+def layer_ms(plan: Plan) -> float:
+    """Predicted attention-layer time (kernel + copies + exchange) of the slowest rank."""
+    m = plan.metrics
+    return m.est_step_ms - m.est_linear_ms
+
+
+def cell(seqs: list[list[int]], cp: int, heads: int, kernel: str) -> dict[str, dict[str, float]]:
+    """Mean predicted ms per strategy and term over ``seqs``."""
+    out: dict[str, dict[str, float]] = {}
+    for strategy in ("flashcp", *BASELINES):
+        plans = [solve(PlanRequest(doc_lengths=tuple(s), cp_size=cp, strategy=strategy,
+                                   context_length=CONTEXT_128K, model=model_for(heads),
+                                   kernel=kernel, link="nvlink"), check=False) for s in seqs]
+        out[strategy] = {
+            "layer": statistics.mean(layer_ms(p) for p in plans),
+            "attn": statistics.mean(p.metrics.est_attn_ms for p in plans),
+            "comm": statistics.mean(p.metrics.est_comm_ms for p in plans),
+            "imbalance": statistics.mean(p.metrics.imbalance for p in plans),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sequences", type=int, default=16, help="packed 128K sequences per dataset")
+    parser.add_argument("--out", type=Path, default=RESULTS / "paper_compare.md")
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    seqs = {name: pack_sequences(make_source(spec), context_length=CONTEXT_128K,
+                                 num_sequences=args.sequences, seed=0) for name, spec in DATASETS.items()}
+    rows = []
+    speedups: dict[str, dict[str, list[float]]] = {k: {b: [] for b in BASELINES} for k in PROFILES}
+    for kernel in PROFILES:
+        for ds, ss in seqs.items():
+            for cp in CP_SIZES:
+                for heads in HEADS:
+                    c = cell(ss, cp, heads, kernel)
+                    f = c["flashcp"]["layer"]
+                    ratios = {b: c[b]["layer"] / f for b in BASELINES}
+                    for b in BASELINES:
+                        speedups[kernel][b].append(ratios[b])
+                    terms = " / ".join(f"{c[s]['attn']:.2f}+{c[s]['comm']:.2f}" for s in ("flashcp", *BASELINES))
+                    rows.append(f"| {kernel} | {ds} | {cp} | {heads} | {f:.2f} | "
+                                + " | ".join(f"{ratios[b]:.2f}x" for b in BASELINES) + f" | {terms} |")
+    summary = [
+        f"| flashcp over | paper (measured) | predicted, {PROFILES[0]} | predicted, {PROFILES[1]} |",
+        "|---|---:|---:|---:|",
+        *(f"| {b} | {PAPER[b]:.2f}x | " + " | ".join(
+            f"{statistics.mean(speedups[k][b]):.2f}x" for k in PROFILES) + " |" for b in BASELINES),
+    ]
+    lines = [
+        "# The step-time model against the FlashCP paper (predictions, not measurements)",
+        "",
+        f"Command: `.venv/bin/python -m bench.paper_compare --sequences {args.sequences}`",
+        "",
+        f"{args.sequences} packed 128K sequences per data set (seed 0); every prediction from "
+        "core/step_time.py, each plan run as the worker runtime runs it (nothing overlapped; "
+        "ring and zigzag as the full all-gather). Paper figures: FlashCP arXiv:2606.08476, "
+        "section A4, averages over WLB-LLM, Pile and RedPajama, CP 4 and 8, 16 and 32 heads "
+        "(8 x H100 SXM, NVLink). Predictions average over the cells below (WLB-LLM and "
+        f"Pile-like only). Load average {load:.1f} (irrelevant: nothing here is timed).",
+        "",
+        "## Average speedup of flashcp (attention layer, forward + backward)",
+        "",
+        *summary,
+        "",
+        "## Per cell: predicted speedup and mean predicted ms",
+        "",
+        "flashcp ms = predicted attention-layer ms of the slowest rank (mean over sequences); "
+        "last column: attention (kernel + copies) + exchange ms of flashcp / per_doc / llama3 / "
+        "ring / zigzag.",
+        "",
+        "| profile | data | N | heads | flashcp ms | vs per_doc | vs llama3 | vs ring | vs zigzag | "
+        "attn+comm ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        *rows,
+        "",
+        "## Why the predictions differ from the measurements",
+        "",
+        *EXPLANATIONS,
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+EXPLANATIONS = [
+    "- **per_doc**: the nearest to the paper. Both sides pay per_doc's exposed full all-gather "
+    "and its short shards; the model charges short shards only tile quantisation plus "
+    "0.4-0.6 us per segment (cited, not measured on H100), and uses a Pile-like family, not "
+    "the Pile, and no RedPajama.",
+    "- **llama3**: the model ranks llama3 *below* per_doc, the paper above it: the model charges "
+    "llama3's imbalance (2N chunks of the packed sequence split long documents unevenly) in "
+    "full but charges per_doc's fine shards only tile quantisation, so the per-segment "
+    "inefficiency the paper describes for Per-Doc CP (occupancy of short segments) is the "
+    "term the model most likely lacks.",
+    "- **ring**: the model runs ring as this runtime does (the full all-gather, exposed, then "
+    "one kernel); the paper's Ring-Attn overlaps each P2P step with compute (hides the "
+    "exchange: 0.2x to 0.5x of the predicted ratio) but runs N kernel calls on fragments and "
+    "merges partial outputs, neither of which this runtime does or the model charges.",
+    "- **zigzag**: here the zigzag plan (per-doc zigzag chunks) runs exactly like per_doc "
+    "(one all-gather, one kernel), so the model predicts the same time as per_doc; the "
+    "paper's ring-flash-attention zigzag runs 2 chunk kernels per doc per ring step with "
+    "log-sum-exp merges: per-step kernel calls and merge copies the model lacks.",
+    "- **all**: the paper's averages include inference (forward only) and RedPajama, and the "
+    "paper names no GQA (MHA assumed here: more KV bytes than Llama-3's 8 KV heads).",
+]
+
+
+if __name__ == "__main__":
+    main()

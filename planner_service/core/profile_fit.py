@@ -1,0 +1,213 @@
+"""Fit the step-time model's coefficients (core/step_time.py) from measured runtime records.
+
+    python -m planner_service.core.profile_fit RECORDS.json --out PROFILE.json [--name NAME]
+
+A record is one rank of one executed plan (``bench/model_check.py`` writes them, format
+``cp-planner-step-records/v1``): the model's inputs for that rank (``fwd_flops``,
+``tiles``, ``row_blocks``, ``segments``, ``copy_bytes``, ``comm_bytes``, ``passes``,
+``peer_steps``) and the measured
+``kernel_ms``, ``copy_ms`` and ``exchange_ms``. Each term is its own linear fit with
+non-negative coefficients, least squares on relative error (short and long runs weigh
+alike):
+
+- kernel:   ``ms = c fwd_flops + t tiles + q row_blocks + s segments + o`` -> fwd/bwd
+  TFLOP/s (the base profile's fwd:bwd ratio kept; one total is measured), per_tile_us,
+  per_row_block_us, per_seq_us, call_overhead_us;
+- copies:   ``ms = b copy_bytes + k``                          -> copy_gbps, op_overhead_us;
+- exchange: ``ms = w comm_bytes + l passes + p peer_steps`` -> bandwidth_gbps, latency_us,
+  per_peer_us.
+
+Tile sizes and tiling stay the base profile's (they are the kernel's loop structure, not a
+fitted number). ``planner fit-profile`` fits the FCP cost model's terms (fcp/fit.py) from
+the profiler's timings format; this module fits the step-time terms from runs of whole plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from planner_service.core.profiles import (
+    KernelProfile,
+    LinkProfile,
+    kernel_profile_from_dict,
+    link_profile_from_dict,
+)
+from planner_service.core.step_time import BWD_FLOP_RATIO, COPY_OPS
+
+RECORDS_FORMAT = "cp-planner-step-records/v1"
+PROFILE_FORMAT = "cp-planner-step-profile/v1"
+FEATURES = ("fwd_flops", "tiles", "row_blocks", "segments", "copy_bytes", "comm_bytes", "passes",
+            "peer_steps")
+MEASURED = ("kernel_ms", "copy_ms", "exchange_ms")
+FAST = 1e6
+"""A rate (GB/s) standing for "too fast to measure" when a fitted slope is zero."""
+
+
+class FitResult(NamedTuple):
+    kernel: KernelProfile
+    link: LinkProfile
+    report: dict[str, Any]
+    """Per term: coefficients, records used, RMS relative residual in percent."""
+
+
+def check_records(records: Any) -> list[dict[str, Any]]:
+    """The records as a list of dicts; ValueError naming the first bad field."""
+    if not isinstance(records, list) or not records:
+        raise ValueError("records must be a non-empty list")
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise ValueError(f"records[{i}] must be an object")
+        for key in FEATURES + MEASURED:
+            value = rec.get(key)
+            if key in MEASURED and value is None:
+                continue  # not measured in this record (a kernel-only run)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value >= 0
+            ):
+                raise ValueError(f"records[{i}].{key} must be a finite number >= 0, got {value!r}")
+    return records
+
+
+def nnls_relative(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Non-negative least squares of ``x c ~ y`` on relative error (rows divided by y).
+
+    Active set by elimination: fit, drop the most negative coefficient, refit, until
+    every kept coefficient is >= 0 (at most one pass per column). Rows with y <= 0 are
+    skipped. Returns (coefficients, RMS relative residual in percent).
+    """
+    keep_rows = y > 0
+    x, y = x[keep_rows], y[keep_rows]
+    coef = np.zeros(x.shape[1])
+    if len(y) == 0:
+        return coef, 0.0
+    xw, yw = x / y[:, None], np.ones(len(y))
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
+    while active:
+        sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    resid = yw - xw @ coef
+    return coef, float(np.sqrt(np.mean(resid**2)) * 100)
+
+
+def _column(records: Sequence[dict[str, Any]], key: str) -> np.ndarray:
+    return np.array([float(r[key]) for r in records])
+
+
+def _measured(records: Sequence[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get(key) is not None]
+
+
+def fit_step_profile(
+    records: Sequence[dict[str, Any]], *, base_kernel: KernelProfile, base_link: LinkProfile,
+    name: str,
+) -> FitResult:
+    """Kernel and link profiles named ``name`` fitted from ``records`` (module docstring).
+    A term with no usable records keeps the base value (a measured time may be None:
+    not measured). O(records)."""
+    records = check_records(list(records))
+    report: dict[str, Any] = {}
+    timed = _measured(records, "kernel_ms")
+    if len(timed) < 2:
+        raise ValueError("records need at least 2 measured kernel_ms values to fit the kernel")
+    kx = np.column_stack([_column(timed, "fwd_flops"), _column(timed, "tiles"),
+                          _column(timed, "row_blocks"), _column(timed, "segments"),
+                          np.ones(len(timed))])
+    kc, kres = nnls_relative(kx, _column(timed, "kernel_ms"))
+    ratio = base_kernel.fwd_tflops / base_kernel.bwd_tflops
+    fwd = 1e-9 * (1 + BWD_FLOP_RATIO * ratio) / kc[0] if kc[0] > 0 else FAST
+    report["kernel"] = {"ms_per_flop": kc[0], "ms_per_tile": kc[1], "ms_per_row_block": kc[2],
+                        "ms_per_segment": kc[3], "ms_per_call": kc[4], "rms_rel_pct": kres,
+                        "records": len(timed)}
+
+    copied = _measured(records, "copy_ms")
+    copy_changes: dict[str, Any] = {}
+    if len(copied) >= 2:
+        cx = np.column_stack([_column(copied, "copy_bytes"), np.ones(len(copied))])
+        cc, cres = nnls_relative(cx, _column(copied, "copy_ms"))
+        copy_changes = {"copy_gbps": 1e-6 / cc[0] if cc[0] > 0 else FAST,
+                        "op_overhead_us": cc[1] * 1e3 / COPY_OPS}
+        report["copy"] = {"ms_per_byte": cc[0], "ms_per_call": cc[1], "rms_rel_pct": cres,
+                          "records": len(copied)}
+    else:
+        report["copy"] = {"kept": base_kernel.name, "records": len(copied)}
+
+    moving = [r for r in _measured(records, "exchange_ms") if r["passes"] > 0]
+    link = base_link
+    if len(moving) >= 2:
+        ex = np.column_stack([_column(moving, "comm_bytes"), _column(moving, "passes"),
+                              _column(moving, "peer_steps")])
+        ec, eres = nnls_relative(ex, _column(moving, "exchange_ms"))
+        link = replace(
+            base_link, name=name, bandwidth_gbps=1e-6 / ec[0] if ec[0] > 0 else FAST,
+            latency_us=ec[1] * 1e3, per_peer_us=ec[2] * 1e3,
+            source=f"fitted from {len(moving)} exchange records",
+        )
+        report["exchange"] = {"ms_per_byte": ec[0], "ms_per_pass": ec[1], "ms_per_peer_step": ec[2],
+                              "rms_rel_pct": eres, "records": len(moving)}
+    else:
+        report["exchange"] = {"kept": base_link.name, "records": len(moving)}
+    kernel = replace(
+        base_kernel, name=name, fwd_tflops=fwd, bwd_tflops=fwd / ratio,
+        per_tile_us=kc[1] * 1e3, per_row_block_us=kc[2] * 1e3, per_seq_us=kc[3] * 1e3,
+        call_overhead_us=kc[4] * 1e3, **copy_changes,
+        source=f"fitted from {len(records)} rank records; tiling of {base_kernel.name}",
+    )
+    return FitResult(kernel, link, report)
+
+
+def profile_document(result: FitResult) -> dict[str, Any]:
+    return {"format": PROFILE_FORMAT, "kernel": result.kernel.to_dict(),
+            "link": result.link.to_dict(), "fit": result.report}
+
+
+def load_step_profile(path: str | Path) -> tuple[KernelProfile, LinkProfile]:
+    """Read a profile JSON this module wrote; ValueError naming the path and field."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"format must be {PROFILE_FORMAT!r}")
+        return kernel_profile_from_dict(data["kernel"]), link_profile_from_dict(data["link"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"step profile file {path}: {exc}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from planner_service.core.profiles import get_kernel_profile, get_link_profile
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("records", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--base-kernel", default="cpu-torch")
+    parser.add_argument("--base-link", default="gloo-local")
+    args = parser.parse_args(argv)
+    try:
+        doc = json.loads(args.records.read_text(encoding="utf-8"))
+        if not isinstance(doc, dict) or doc.get("format") != RECORDS_FORMAT:
+            raise ValueError(f"records file format must be {RECORDS_FORMAT!r}")
+        result = fit_step_profile(
+            doc.get("records") or [], base_kernel=get_kernel_profile(args.base_kernel),
+            base_link=get_link_profile(args.base_link), name=args.name or args.out.stem,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.out.write_text(json.dumps(profile_document(result), indent=1) + "\n")
+    print(json.dumps(profile_document(result)["fit"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

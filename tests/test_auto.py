@@ -1,0 +1,53 @@
+"""``auto`` picks the (strategy, comm mode) with the least predicted step time."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner_service.core.request import PlanRequest
+from planner_service.solvers.auto import CANDIDATES, MODES
+from planner_service.solvers.registry import solve
+
+
+def brute_force(**req):
+    """Every candidate solved on its own: (est_step_ms, strategy, mode), the least first."""
+    out = []
+    for i, name in enumerate(CANDIDATES):
+        for j, mode in enumerate(MODES):
+            plan = solve(PlanRequest(**req, strategy=name, comm_mode=mode))
+            out.append((plan.metrics.est_step_ms, i, j, name, mode))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("req", [
+    dict(doc_lengths=(8192, 4096, 2048, 2048, 1024, 512, 256, 100), cp_size=4),
+    dict(doc_lengths=(32768,), cp_size=8),
+    dict(doc_lengths=(3000, 2500, 1200, 900, 400, 37), cp_size=3, kernel="h100-fa3"),
+    dict(doc_lengths=(16384, 1024, 1024), cp_size=2, link="infiniband"),
+])
+def test_auto_is_the_least_predicted_candidate(req):
+    plan = solve(PlanRequest(**req, strategy="auto"))
+    est, _, _, name, mode = brute_force(**req)[0]
+    assert (plan.info["chosen"], plan.comm_mode) == (name, mode)
+    assert plan.metrics.est_step_ms == pytest.approx(est)
+    preds = plan.info["candidates"]
+    assert len(preds) == len(CANDIDATES) * len(MODES)
+    assert min(p["est_step_ms"] for p in preds) == pytest.approx(est)
+    assert plan.info["kernel_profile"] == plan.kernel
+
+
+def test_hand_built_case_no_exchange_wins():
+    # Four equal docs on four ranks: one whole doc per rank needs no KV exchange and
+    # balances exactly, so the winner moves nothing; llama3 and ring must gather KV.
+    plan = solve(PlanRequest(doc_lengths=(8192,) * 4, cp_size=4, strategy="auto"))
+    assert plan.metrics.est_comm_ms == 0.0
+    preds = {(p["strategy"], p["comm_mode"]): p["est_step_ms"] for p in plan.info["candidates"]}
+    assert preds[("llama3", "full")] > plan.metrics.est_step_ms
+    assert preds[("ring", "full")] > plan.metrics.est_step_ms
+
+
+def test_auto_keeps_a_requested_comm_mode():
+    plan = solve(PlanRequest(doc_lengths=(5000, 3000, 100), cp_size=2, strategy="auto",
+                             comm_mode="full"))
+    assert plan.comm_mode == "full"
+    assert {p["comm_mode"] for p in plan.info["candidates"]} == {"full"}
