@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -65,6 +66,23 @@ def _child(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
             dist.destroy_process_group()
 
 
+PRELOAD = ("torch", "torch.distributed", "worker_runtime")
+"""Imported once by the forkserver (Linux), so that each rank does not pay for importing
+torch again: a test suite starts dozens of ranks."""
+
+
+def _context() -> Any:
+    """Forkserver on Linux (ranks fork from a process that has imported PRELOAD, never from
+    the caller, which may hold threads); spawn elsewhere. A forkserver already started in
+    this process by another user keeps its own preload list; ranks then import torch
+    themselves, as under spawn."""
+    if not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -81,7 +99,7 @@ def run_distributed(
     ``fn`` and ``args`` must be picklable (a module-level function). Raises
     DistributedFailure if any rank raised, TimeoutError if the world did not finish.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
