@@ -1,15 +1,15 @@
 """Strategy ``auto``: the (strategy, comm mode) with the least predicted step time.
 
-Every candidate layout is measured under every exchange the runtime executes (or only
-the request's ``comm_mode`` when it names one), with the request's model, kernel and link
-profiles (core/step_time.py); the least ``est_step_ms`` wins, ties going to the earlier
-candidate (CANDIDATES order, then MODES order). Each (strategy, mode) is solved on its
-own, since a strategy's objective may follow the exchange (flashcp's does). ``p2p_ring`` is not a separate candidate:
-the step-time model prices it as the full all-gather. The plan's info records the choice
-and every candidate's prediction. Cost: one solve and one metrics pass (O(shards + tiles))
-per (strategy, mode). The candidates are looked up with
-the ``lookup`` the caller passes (the registry's ``get_strategy``), so this module does not
-import the registry that lists it.
+Every candidate strategy is solved and measured under every exchange the runtime executes
+(or only the request's ``comm_mode`` when it names one), each (strategy, mode) on its own
+since a strategy's objective may follow the exchange (flashcp's does), with the request's
+model, kernel and link profiles (core/step_time.py). The least ``est_step_ms`` wins, ties
+going to the earlier candidate (CANDIDATES order, then MODES order). ``p2p_ring`` is not a
+separate candidate: the step-time model prices it as the full all-gather. The plan's info
+records the choice and every candidate's prediction. Cost: one solve and one metrics pass
+(O(shards + tiles)) per (strategy, mode). The candidates are looked up with the ``lookup``
+the caller passes (the registry's ``get_strategy``), so this module does not import the
+registry that lists it.
 """
 
 from __future__ import annotations
