@@ -15,13 +15,12 @@ import time
 import grpc
 import httpx
 import pytest
-from test_hardening_deadlines import tree_rss_mib
 from timing import scaled
 
 from planner_service.fcp.cost_model import PROFILES
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
-from planner_service.service.testing import ServerProcess
+from planner_service.service.testing import ServerProcess, tree_rss_mib
 
 TOKEN = "abuse-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -21,7 +21,7 @@ from timing import scaled
 
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
-from planner_service.service.testing import ServerProcess
+from planner_service.service.testing import ServerProcess, tree_rss_mib
 
 pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
 
@@ -35,21 +35,6 @@ PROBE_S = 2.0
 RSS_GROWTH_MIB = 200
 HANG = {"doc_lengths": [4099, 37, 1023], "cp_size": 4, "strategy": "test_hang"}
 _probes = itertools.count(1)
-
-
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and all its descendants (server, forkserver, solvers)."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo.extend(int(c) for c in f.read().split())
-        except (OSError, StopIteration):
-            pass
-    return total
 
 
 @pytest.fixture(scope="module")

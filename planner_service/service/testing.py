@@ -98,3 +98,18 @@ class ServerProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants (server, forkserver, solvers)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo.extend(int(c) for c in f.read().split())
+        except (OSError, StopIteration):
+            pass
+    return total
