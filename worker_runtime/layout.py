@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner_service.core.cost import CommVolumes, kv_tokens_peak, recv_tokens_by_mode
-from planner_service.core.plan import Plan, Shard
+from planner_service.core.plan import Plan, RankStats, Shard
 
 COMM_MODES = ("full", "compact_allgather", "alltoallv")
 """Exchanges with a comm map (gathered exchanges); ``p2p_ring`` runs as a ring (``ring.py``),
@@ -352,13 +352,10 @@ def planned_recv_tokens(plan: Plan, rank: int, mode: str) -> int:
     full: (N - 1) x tokens per rank (padding included); compact_allgather: (N - 1) x the
     group's largest compact buffer; alltoallv: the rank's ``rank_stats.alltoallv_recv``.
     """
-    gi, slot = find_slot(plan, rank)
-    if gi < 0:
+    found = _planned_figures(plan, rank)
+    if found is None:
         return 0
-    group = plan.groups[gi]
-    stats = group.rank_stats
-    volumes = CommVolumes(alltoallv_recv=stats.alltoallv_recv, allgather_send=stats.allgather_send)
-    tokens = stats.tokens[slot] + group.padding[slot]
+    slot, _, volumes, tokens = found
     return recv_tokens_by_mode(mode, volumes, tokens)[slot]
 
 
@@ -366,11 +363,20 @@ def planned_kv_tokens_peak(plan: Plan, rank: int, mode: str) -> int:
     """KV tokens ``rank`` holds at once per layer in ``mode`` (a gather mode or
     ``p2p_ring``) by the plan's figures (``cost.kv_tokens_peak``; the plan's own mode is
     ``rank_stats.kv_tokens_peak``)."""
+    found = _planned_figures(plan, rank)
+    if found is None:
+        return 0
+    slot, stats, volumes, tokens = found
+    return kv_tokens_peak(mode, volumes, stats.tokens, tokens)[slot]
+
+
+def _planned_figures(plan: Plan, rank: int) -> tuple[int, RankStats, CommVolumes, int] | None:
+    """``rank``'s slot in its group, the group's stats, its exchange volumes and tokens per
+    rank (padding included), as the plan states them; None if no group holds ``rank``."""
     gi, slot = find_slot(plan, rank)
     if gi < 0:
-        return 0
+        return None
     group = plan.groups[gi]
     stats = group.rank_stats
     volumes = CommVolumes(alltoallv_recv=stats.alltoallv_recv, allgather_send=stats.allgather_send)
-    tokens = stats.tokens[slot] + group.padding[slot]
-    return kv_tokens_peak(mode, volumes, stats.tokens, tokens)[slot]
+    return slot, stats, volumes, stats.tokens[slot] + group.padding[slot]
