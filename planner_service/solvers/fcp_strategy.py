@@ -132,8 +132,3 @@ def group_layouts(
             ))
     layouts.sort(key=lambda g: g.ranks[0])
     return layouts
-
-
-DESCRIPTION = ("FCP: each doc a sequence; BFD into atomic groups, 2D DP over any-integer CP "
-               "degrees on a profiled cost model, flashcp inside each group")
-COMM_MODE = "alltoallv"

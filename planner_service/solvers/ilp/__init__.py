@@ -20,15 +20,7 @@ from planner_service.solvers.ilp.strategy import (
 )
 from planner_service.solvers.ilp.tuning import TUNING, Tuning
 
-DESCRIPTION = (
-    "OR-Tools CP-SAT block placement: min critical-path KV at imbalance <= R (or min max "
-    "workload), flashcp as hint and fallback; status, bound and gap in the plan info"
-)
-COMM_MODE = "alltoallv"
-
 __all__ = [
-    "COMM_MODE",
-    "DESCRIPTION",
     "OPTIONS",
     "PROGRESS",
     "TUNING",
