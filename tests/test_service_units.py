@@ -12,6 +12,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from planner_service import proto_build
+from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import debug_request
 from planner_service.service import executor as executor_mod
 from planner_service.service.executor import DeadlineExceeded, Executor, Overloaded, SolveResult
@@ -142,7 +143,7 @@ def test_executor_process_pool_answers_like_a_local_solve():
 
 def test_request_key_ignores_spelling_of_defaults():
     a = debug_request()
-    b = debug_request(imbalance_target=1.05, kernel="h100-fa3")
+    b = debug_request(imbalance_target=1.05, kernel=default_kernel_name())
     assert request_key(a) == request_key(b) != request_key(debug_request(cp_size=5))
 
 

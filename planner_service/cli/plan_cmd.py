@@ -12,6 +12,7 @@ from rich.table import Table
 from planner_service.cli.common import console, fail, note
 from planner_service.compare import StrategySummary, compare
 from planner_service.core.plan import Plan
+from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import prepare, strategy_names, timed_solve
 
@@ -118,7 +119,9 @@ def plan(
     comm_mode: Annotated[
         str | None, typer.Option(help="full, compact_allgather, alltoallv, p2p_ring")
     ] = None,
-    kernel: Annotated[str, typer.Option(help="Kernel profile")] = "h100-fa3",
+    kernel: Annotated[str | None, typer.Option(
+        help="Kernel profile (default: the runtime's kernel: PLANNER_KERNEL_PROFILE or the "
+             "installed flash-attn)")] = None,
     link: Annotated[str, typer.Option(help="Link profile")] = "nvlink",
     seed: Seed = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw plan JSON")] = False,
@@ -134,7 +137,7 @@ def plan(
         truncate=truncate,
         imbalance_target=imbalance_target,
         comm_mode=comm_mode,
-        kernel=kernel,
+        kernel=kernel or default_kernel_name(),
         link=link,
     )
     where = "server" if url else "local"

@@ -5,11 +5,13 @@ the step-time terms from runs of the worker runtime (``planner_service.core.prof
 and writes them as a profile JSON (:func:`kernel_profile_from_dict`). Nothing outside
 this file hard-codes a hardware number.
 
-The default kernel profile follows the kernel the runtime calls (:func:`default_kernel_profile`).
+The default kernel profile follows the kernel the runtime calls (:func:`default_kernel_profile`,
+:func:`default_kernel_name`): a request without a kernel profile resolves it when it is built.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, fields
 from importlib import metadata
@@ -214,8 +216,10 @@ FLASH_ATTN_PROFILES = {2: "h100-fa2", 3: "h100-fa3"}
 """flash-attn major version -> the H100 profile of that kernel generation."""
 
 
+@functools.cache
 def flash_attn_version() -> str | None:
-    """The installed flash-attn distribution's version, or None (no import of torch)."""
+    """The installed flash-attn distribution's version, or None (no import of torch;
+    looked up once per process: the installed packages do not change under it)."""
     try:
         return metadata.version("flash-attn")
     except metadata.PackageNotFoundError:
@@ -240,7 +244,10 @@ def default_kernel_profile(
     env = os.environ if environ is None else environ
     declared = env.get(KERNEL_ENV)
     if declared:
-        get_kernel_profile(declared)
+        try:
+            get_kernel_profile(declared)
+        except ValueError as exc:
+            raise ValueError(f"{KERNEL_ENV}: {exc}") from None
         return declared, f"declared by {KERNEL_ENV}"
     version = flash_attn_version() if installed is False else installed
     if isinstance(version, str):
@@ -252,8 +259,11 @@ def default_kernel_profile(
             f"flash-attn {RUNTIME_FLASH_ATTN} (pyproject gpu extra), FlashAttention-2 kernels")
 
 
-DEFAULT_KERNEL_PROFILE, DEFAULT_KERNEL_REASON = default_kernel_profile()
-"""The kernel profile requests should default to, and why (resolved once at import)."""
+def default_kernel_name() -> str:
+    """The kernel profile of a request that names none: :func:`default_kernel_profile`'s
+    choice under this process's environment, read at each call (requests resolve it at
+    construction and record it, so a plan names the profile it was estimated with)."""
+    return default_kernel_profile()[0]
 
 
 def kernel_profile_from_dict(data: dict[str, Any]) -> KernelProfile:

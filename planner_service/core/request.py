@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from planner_service.core.model import ModelSpec
-from planner_service.core.profiles import get_kernel_profile, get_link_profile
+from planner_service.core.profiles import default_kernel_name, get_kernel_profile, get_link_profile
 
 MAX_CP_SIZE = 1024
 MAX_TOKENS = 2**31 - 1
@@ -67,8 +67,8 @@ class PlanRequest:
     comm_mode: str | None = None
     """KV exchange; None picks the strategy's own."""
     model: ModelSpec = field(default_factory=ModelSpec)
-    kernel: str = "h100-fa3"
-    """Kernel profile name (core/profiles.py)."""
+    kernel: str = field(default_factory=default_kernel_name)
+    """Kernel profile name (core/profiles.py); unset: the runtime's kernel's, resolved here."""
     link: str = "nvlink"
     """Link profile name (core/profiles.py)."""
     options: Mapping[str, Any] = field(default_factory=dict)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import canonical_json
+from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import COMM_MODES, MAX_CP_SIZE, MAX_TOKENS, PlanRequest
 from planner_service.service.settings import Settings
 from planner_service.solvers.registry import checked_strategy
@@ -135,7 +136,7 @@ class PlanRequestIn(BaseModel):
     imbalance_target: float = Field(1.05, ge=1.0, le=100.0, allow_inf_nan=False)
     comm_mode: Literal[COMM_MODES] | None = None  # type: ignore[valid-type]
     model: ModelSpecIn | None = None
-    kernel: StrictStr = Field("h100-fa3", max_length=64)
+    kernel: StrictStr = Field(default_factory=default_kernel_name, max_length=64)
     link: StrictStr = Field("nvlink", max_length=64)
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="Strategy options (GET /v1/strategies)")

@@ -16,7 +16,7 @@ from typing import Any
 from planner_service.core.build import Layout, build_plan
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Plan
-from planner_service.core.profiles import get_kernel_profile, get_link_profile
+from planner_service.core.profiles import default_kernel_name, get_kernel_profile, get_link_profile
 from planner_service.core.request import (
     DEFAULT_IMBALANCE_TARGET,
     MAX_CP_SIZE,
@@ -68,7 +68,7 @@ class ScheduleRequest:
     """False returns groups and degrees only (no intra-group shard plans)."""
     model: ModelSpec = field(default_factory=ModelSpec)
     """Model shape for the plans' metrics (the FCP profile has its own coefficients)."""
-    kernel: str = "h100-fa3"
+    kernel: str = field(default_factory=default_kernel_name)
     link: str = "nvlink"
     imbalance_target: float = DEFAULT_IMBALANCE_TARGET
     """Target R of the intra-group strategy (flashcp)."""
