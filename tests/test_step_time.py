@@ -1,10 +1,23 @@
-"""The step-time model describes what the runtime runs, and its profile follows the kernel."""
+"""The step-time model describes what the runtime runs, and its profile follows the kernel.
+
+The PyTorch kernel's blocks (core/masked_work.py) are checked against the runtime's own
+metadata, the vectorised group forms against the rank-by-rank references, and the overlap
+and ring terms against their formulas written out by hand.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import inspect
+import random
 
 import numpy as np
 import pytest
 
+from planner_service.core import cost, profiles
+from planner_service.core import masked_work as mw
+from planner_service.core.build import canonical_shards
+from planner_service.core.metrics import group_metrics
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Shard
 from planner_service.core.profiles import (
@@ -14,40 +27,191 @@ from planner_service.core.profiles import (
     kernel_profile_from_dict,
 )
 from planner_service.core.request import PlanRequest
-from planner_service.core.step_time import key_rows, packed_blocks, rank_step
+from planner_service.core.step_time import (
+    RUNTIME_OVERLAP,
+    KernelWork,
+    copy_ms,
+    execution_path,
+    forward_share,
+    group_steps,
+    kernel_ms,
+    key_rows,
+    lean_window_rows,
+    merge_rows,
+    rank_step,
+    rank_terms,
+    ring_shift_ms,
+    transfer_ms,
+)
 from planner_service.solvers.registry import solve
-from worker_runtime.kernels import build_meta
+from worker_runtime import ContextParallelAttention, build_comm_map, build_layout
+from worker_runtime.kernels import build_masked_meta
+from worker_runtime.overlap import remote_query_rows
+from worker_runtime.ring import rows_seeing, slot_rows
 
 MODEL = ModelSpec()
+CPU_MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype_bytes=4, hidden_size=128,
+                      ffn_hidden_size=256)
 FA2, NVLINK = KERNEL_PROFILES["h100-fa2"], LINK_PROFILES["nvlink"]
+TORCH, GLOO = KERNEL_PROFILES["cpu-torch"], LINK_PROFILES["gloo-local"]
+MODES = ("full", "compact_allgather", "alltoallv", "p2p_ring")
 
 
-def step(shards, *, recv=0, tokens=None, n=2, mode="full", kernel=FA2):
+def step(shards, *, recv=0, tokens=None, n=2, mode="full", kernel=FA2, overlap=True):
     tokens = tokens if tokens is not None else sum(s.end - s.start for s in shards)
     return rank_step(shards, recv_tokens=recv, tokens_per_rank=tokens, num_ranks=n, comm_mode=mode,
-                     model=MODEL, kernel=kernel, link=NVLINK)
+                     model=MODEL, kernel=kernel, link=NVLINK, overlap=overlap)
 
 
-@pytest.mark.parametrize("shards", [
-    [Shard(0, 0, 700)],
-    [Shard(0, 300, 900), Shard(1, 0, 5), Shard(2, 40, 41), Shard(3, 0, 1300)],
-    [Shard(d, 0, 3) for d in range(200)],
-])
-def test_packed_blocks_match_the_torch_kernels_blocks(shards):
-    lq = [s.end - s.start for s in shards]
-    lk = [s.end for s in shards]
-    meta = build_meta(np.cumsum([0, *lq]), np.cumsum([0, *lk]), block_q=64, block_k=128)
-    pairs = sum((q1 - q0) * (keys[-1][1] - keys[0][0]) for q0, q1, keys in meta.blocks)
-    blocks = sum(len(keys) for _, _, keys in meta.blocks)
-    assert packed_blocks(shards, 64, 128) == (pairs, blocks, len(meta.blocks))
+def random_group(rng: random.Random, n: int, docs: int, longest: int) -> list[list[Shard]]:
+    """Docs cut at random points, pieces on random ranks, canonical per rank (as plans)."""
+    per: list[list[Shard]] = [[] for _ in range(n)]
+    for d in range(docs):
+        length = rng.randint(1, longest)
+        cuts = sorted(rng.sample(range(1, length), min(length - 1, rng.randint(0, 2 * n))))
+        bounds = [0, *cuts, length]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            per[rng.randrange(n)].append(Shard(d, a, b))
+    return [list(canonical_shards(rank)) for rank in per]
 
 
-def test_ring_is_charged_as_the_full_all_gather_it_runs():
+# -- paths ----------------------------------------------------------------------------------
+
+
+def test_the_path_follows_the_kernel_as_the_runtime_chooses():
+    assert {m: execution_path(FA2, m) for m in MODES} == dict.fromkeys(MODES, "gathered")
+    assert [execution_path(TORCH, m) for m in MODES] == ["lean", "lean", "lean", "ring"]
+
+
+def test_model_default_overlap_is_the_runtimes():
+    default = inspect.signature(ContextParallelAttention).parameters["overlap"].default
+    assert RUNTIME_OVERLAP is default is True
+
+
+# -- the PyTorch kernel's blocks against the runtime's metadata --------------------------------
+
+
+def _meta_counts(meta):
+    pairs = sum((q1 - q0) * (keys[-1][1] - keys[0][0]) for q0, q1, keys in meta.blocks if keys)
+    return pairs, sum(len(keys) for _, _, keys in meta.blocks), len(meta.blocks)
+
+
+@pytest.mark.parametrize("strategy", ["flashcp", "per_doc", "llama3", "zigzag", "ring", "fcp"])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_lean_and_ring_blocks_equal_the_runtime_metadata(strategy, n):
+    bq, bk = 16, 64
+    plan = solve(PlanRequest(doc_lengths=(300, 41, 700, 5, 129, 64), cp_size=n, strategy=strategy,
+                             kernel="cpu-torch", link="gloo-local"))
+    for rank in range(n):
+        lay = build_layout(plan, rank)
+        if lay.group_index < 0:
+            continue
+        comm = build_comm_map(lay, "alltoallv")
+        r = lay.num_real
+        doc, pos = lay.doc_ids[:r], lay.positions[:r]
+        rows = remote_query_rows(lay, comm)
+        lean = mw.lean_work(lay.shards, bq, bk)
+        assert lean.local[:3] == _meta_counts(build_masked_meta(doc, pos, doc, pos, block_q=bq, block_k=bk))
+        remote = build_masked_meta(doc[rows], pos[rows], comm.remote_doc, comm.remote_pos,
+                                   block_q=bq, block_k=bk)
+        assert lean.remote[:3] == _meta_counts(remote)
+        assert (lean.remote.queries, lean.remote_keys) == (len(rows), len(comm.remote_index))
+        group = plan.groups[lay.group_index]
+        for s in range(1, lay.num_ranks):
+            slot = (lay.slot - s) % lay.num_ranks
+            key_doc, key_pos = slot_rows(lay, slot)
+            seen = rows_seeing(doc, pos, key_doc, key_pos)
+            meta = build_masked_meta(doc[seen], pos[seen], key_doc, key_pos, block_q=bq, block_k=bk)
+            got = mw.ring_step_work(lay.shards, group.shards[slot], bq, bk)
+            assert (got[:3], got.queries) == (_meta_counts(meta), len(seen)), (rank, s)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_group_blocks_equal_the_per_rank_reference(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 7)
+    shards = random_group(rng, n, rng.randint(1, 6), 400)
+    bq, bk = rng.choice([4, 16, 256]), rng.choice([8, 64, 1024])
+    a = cost.shard_arrays(shards)
+    s = mw.sort_shards(a.rank, a.doc, a.start, a.end, n)
+    lean = mw.group_lean_work(s, bq, bk)
+    ring = mw.group_ring_work(s, bq, bk)
+    entries = {(int(i), int(st)): k for k, (i, st) in enumerate(zip(ring.rank, ring.step, strict=True))}
+    for i in range(n):
+        want = mw.lean_work(shards[i], bq, bk)
+        assert tuple(int(x[i]) for x in lean.local) == tuple(want.local)
+        assert tuple(int(x[i]) for x in lean.remote) == tuple(want.remote)
+        assert int(lean.remote_keys[i]) == want.remote_keys
+        for st in range(1, n):
+            want_step = mw.ring_step_work(shards[i], shards[(i - st) % n], bq, bk)
+            k = entries.get((i, st))
+            got = mw.NO_BLOCKS if k is None else tuple(int(x[k]) for x in ring.blocks)
+            assert tuple(got) == tuple(want_step), (i, st)
+
+
+# -- group_steps against rank_step ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_group_steps_equal_rank_step(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 7)
+    shards = random_group(rng, n, rng.randint(1, 6), 400)
+    kernel = dataclasses.replace(KERNEL_PROFILES[rng.choice(["cpu-torch", "h100-fa2", "h100-fa3"])],
+                                 tile_q=rng.choice([8, 64, 128]), tile_k=rng.choice([16, 64, 256]))
+    link = rng.choice([GLOO, NVLINK])
+    model = rng.choice([CPU_MODEL, MODEL])
+    mode, overlap = rng.choice(MODES), rng.random() < 0.5
+    tokens = max(sum(s.end - s.start for s in rank) for rank in shards) + rng.randint(0, 9)
+    recv = cost.recv_tokens_by_mode(mode, cost.comm_volumes(shards), tokens)
+    got = group_steps(cost.shard_arrays(shards), recv_tokens=np.array(recv), tokens_per_rank=tokens,
+                      num_ranks=n, comm_mode=mode, model=model, kernel=kernel, link=link,
+                      overlap=overlap)
+    want = [rank_step(shards[i], recv_tokens=recv[i], tokens_per_rank=tokens, num_ranks=n,
+                      comm_mode=mode, model=model, kernel=kernel, link=link, overlap=overlap,
+                      ring_blocks=[shards[(i - s) % n] for s in range(1, n)]) for i in range(n)]
+    for field in ("kernel_ms", "copy_ms", "comm_ms", "linear_ms", "total_ms"):
+        np.testing.assert_allclose(getattr(got, field), [getattr(w, field) for w in want],
+                                   rtol=1e-9, atol=0, err_msg=field)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_group_metrics_with_the_torch_kernel_equal_rank_step_metrics(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    shards = random_group(rng, n, rng.randint(1, 5), 300)
+    tokens = [sum(s.end - s.start for s in rank) for rank in shards]
+    padding = [max(tokens) - t for t in tokens]
+    mode = rng.choice(MODES)
+    metrics, _ = group_metrics(shards, padding, comm_mode=mode, model=CPU_MODEL,
+                               kernel="cpu-torch", link="gloo-local")
+    recv = cost.recv_tokens_by_mode(mode, cost.comm_volumes(shards), max(tokens))
+    steps = [rank_step(shards[i], recv_tokens=recv[i], tokens_per_rank=max(tokens), num_ranks=n,
+                       comm_mode=mode, model=CPU_MODEL, kernel=TORCH, link=GLOO,
+                       ring_blocks=[shards[(i - s) % n] for s in range(1, n)]) for i in range(n)]
+    slowest = max(range(n), key=lambda i: (steps[i].total_ms, -i))
+    assert (metrics.est_step_ms, metrics.est_attn_ms, metrics.est_comm_ms, metrics.est_linear_ms) == (
+        steps[slowest].total_ms, steps[slowest].attn_ms, steps[slowest].comm_ms,
+        steps[slowest].linear_ms)
+
+
+def test_ties_go_to_the_lowest_rank():
+    shards = [[Shard(0, 0, 64)], [Shard(1, 0, 64)], [Shard(2, 0, 64)]]
+    for kernel in ("h100-fa2", "cpu-torch"):
+        m, _ = group_metrics(shards, [0, 0, 0], comm_mode="alltoallv", model=MODEL, kernel=kernel,
+                             link="nvlink")
+        want = step(shards[0], n=3, kernel=KERNEL_PROFILES[kernel], mode="alltoallv")
+        assert m.est_step_ms == want.total_ms
+
+
+# -- the gathered path (flash-attn) ------------------------------------------------------------
+
+
+def test_flash_runs_a_ring_plan_as_the_full_all_gather_without_overlap():
     shards = [Shard(0, 0, 4096)]
     ring = step(shards, recv=3 * 4096, n=4, mode="p2p_ring")
-    full = step(shards, recv=3 * 4096, n=4, mode="full")
-    assert ring == full
-    # No overlap credit: the exposed exchange is the whole transfer, both passes.
+    assert ring == step(shards, recv=3 * 4096, n=4, mode="full") == step(
+        shards, recv=3 * 4096, n=4, mode="p2p_ring", overlap=False)
     nbytes = 3 * 4096 * MODEL.kv_bytes_per_token
     assert ring.comm_ms == pytest.approx(2 * (NVLINK.latency_us * 1e-3 + nbytes / NVLINK.bandwidth_gbps / 1e6))
     assert ring.total_ms == pytest.approx(ring.kernel_ms + ring.copy_ms + ring.comm_ms + ring.linear_ms)
@@ -55,9 +219,10 @@ def test_ring_is_charged_as_the_full_all_gather_it_runs():
 
 def test_padding_costs_copies_and_linear_not_kernel():
     shards = [Shard(0, 0, 1000)]
-    bare, padded = step(shards, tokens=1000), step(shards, tokens=1500)
-    assert padded.kernel_ms == bare.kernel_ms
-    assert padded.copy_ms > bare.copy_ms and padded.linear_ms > bare.linear_ms
+    for kernel in (FA2, TORCH):
+        bare, padded = step(shards, tokens=1000, kernel=kernel), step(shards, tokens=1500, kernel=kernel)
+        assert padded.kernel_ms == bare.kernel_ms
+        assert padded.copy_ms > bare.copy_ms and padded.linear_ms > bare.linear_ms
 
 
 def test_key_gathers_are_charged():
@@ -65,6 +230,85 @@ def test_key_gathers_are_charged():
     late, early = [Shard(0, 7168, 8192)], [Shard(0, 0, 1024)]
     assert key_rows(late) == 8192 and key_rows(early) == 1024
     assert step(late).copy_ms > step(early).copy_ms
+
+
+# -- the lean path (PyTorch kernel, gather modes) -------------------------------------------------
+
+
+def test_lean_overlap_hides_the_exchange_behind_the_local_call_exactly():
+    # Rank 1 of 2: doc 0 [512, 1024) (needs the remote [0, 512)) and doc 1 whole (local).
+    shards = [Shard(0, 512, 1024), Shard(1, 0, 2048)]
+    tokens, recv, n = 2560 + 7, 512, 2
+    kw = dict(recv_tokens=recv, tokens_per_rank=tokens, num_ranks=n, comm_mode="alltoallv",
+              model=CPU_MODEL, kernel=TORCH, link=GLOO)
+    on, off = rank_step(shards, **kw), rank_step(shards, **kw, overlap=False)
+    terms = rank_terms(shards, **kw)
+    lean = mw.lean_work(shards, TORCH.tile_q, TORCH.tile_k)
+    assert lean.remote.queries == 512 and lean.remote_keys == 512
+    local = KernelWork(lean.local.pairs, lean.local.tiles, 2, lean.local.row_blocks, 1)
+    remote = KernelWork(lean.remote.pairs, lean.remote.tiles, 0, lean.remote.row_blocks, 1)
+    # Two calls, each paying the call overhead.
+    assert terms.work.calls == 2
+    assert on.kernel_ms == pytest.approx(kernel_ms(local, CPU_MODEL, TORCH) + kernel_ms(remote, CPU_MODEL, TORCH))
+    # Two collectives (K and V) each way.
+    x = transfer_ms(recv * CPU_MODEL.kv_bytes_per_token, GLOO, n - 1, 2)
+    assert (terms.passes, off.comm_ms) == (4, pytest.approx(2 * x))
+    k_loc, phi = kernel_ms(local, CPU_MODEL, TORCH), forward_share(TORCH)
+    win = lean_window_rows(tokens, 2560, 512)
+    hide_b = (1 - phi) * k_loc + copy_ms(win.bytes(CPU_MODEL), TORCH, win.ops)
+    assert on.comm_ms == pytest.approx(max(0.0, x - phi * k_loc) + max(0.0, x - hide_b))
+    assert on.comm_ms < off.comm_ms
+    assert (on.kernel_ms, on.copy_ms) == (off.kernel_ms, off.copy_ms)
+
+
+def test_lean_rank_with_only_local_keys_makes_one_call_and_hides_most():
+    shards = [Shard(0, 0, 4096)]  # holds its doc from 0: no remote key, no remote call
+    kw = dict(recv_tokens=3 * 4096, tokens_per_rank=4096, num_ranks=4, comm_mode="full",
+              model=CPU_MODEL, kernel=TORCH, link=GLOO)
+    terms = rank_terms(shards, **kw)
+    assert terms.work.calls == 1
+    assert rank_step(shards, **kw).comm_ms < rank_step(shards, **kw, overlap=False).comm_ms
+
+
+# -- the ring (PyTorch kernel, p2p_ring) -------------------------------------------------------
+
+
+def test_ring_terms_written_out():
+    # One doc of 4 x 512 over 4 ranks: rank 3 sees every block; step s brings slot 3 - s.
+    group = [[Shard(0, 512 * i, 512 * (i + 1))] for i in range(4)]
+    n, t = 4, 512
+    blocks = [group[(3 - s) % n] for s in range(1, n)]
+    kw = dict(recv_tokens=(n - 1) * t, tokens_per_rank=t, num_ranks=n, comm_mode="p2p_ring",
+              model=CPU_MODEL, kernel=TORCH, link=GLOO, ring_blocks=blocks)
+    on, off = rank_step(group[3], **kw), rank_step(group[3], **kw, overlap=False)
+    terms = rank_terms(group[3], **kw)
+    assert terms.work.calls == n  # the local call and one per step: every block is seen
+    shift = ring_shift_ms(t, CPU_MODEL, GLOO)
+    assert (terms.passes, off.comm_ms) == (3 * (n - 1), pytest.approx(3 * (n - 1) * shift))
+    phi = forward_share(TORCH)
+    local = mw.lean_work(group[3], TORCH.tile_q, TORCH.tile_k).local
+    k_loc = kernel_ms(KernelWork(local.pairs, local.tiles, 1, local.row_blocks, 1), CPU_MODEL, TORCH)
+    fwd = max(0.0, shift - phi * k_loc)
+    for s in (1, 2):  # steps 1..N-2 hide the next shift; step N-1 sends nothing
+        b = mw.ring_step_work(group[3], blocks[s - 1], TORCH.tile_q, TORCH.tile_k)
+        m = merge_rows(b.queries)
+        w = phi * kernel_ms(KernelWork(b.pairs, b.tiles, 0, b.row_blocks, 1), CPU_MODEL, TORCH) + copy_ms(
+            m.bytes(CPU_MODEL), TORCH, m.ops)
+        fwd += max(0.0, shift - w)
+    bwd = max(0.0, shift - (1 - phi) * k_loc) + (n - 1) * shift
+    assert on.comm_ms == pytest.approx(fwd + bwd)
+    # Rank 0 sees no earlier block: one call; its forward hides only shift 0.
+    first = rank_terms(group[0], **{**kw, "ring_blocks": [group[(0 - s) % n] for s in range(1, n)]})
+    assert first.work.calls == 1
+
+
+def test_ring_needs_its_blocks():
+    with pytest.raises(ValueError, match="ring_blocks must list the 2 blocks"):
+        rank_step([Shard(0, 0, 8)], recv_tokens=16, tokens_per_rank=8, num_ranks=3,
+                  comm_mode="p2p_ring", model=CPU_MODEL, kernel=TORCH, link=GLOO)
+
+
+# -- profiles --------------------------------------------------------------------------------
 
 
 def test_plan_estimate_uses_the_named_profile():
@@ -92,6 +336,29 @@ def test_default_profile_follows_the_installed_or_declared_kernel(env, installed
     assert name == want and why
 
 
+@pytest.mark.parametrize(("env", "installed", "want"), [
+    (None, "3.1.0", "h100-fa3"),
+    (None, "2.8.3", "h100-fa2"),
+    (None, None, "h100-fa2"),
+    ("h100-fa3", None, "h100-fa3"),
+    ("cpu-torch", "3.1.0", "cpu-torch"),
+])
+def test_a_request_without_a_kernel_resolves_it_at_construction(monkeypatch, env, installed, want):
+    monkeypatch.setattr(profiles, "flash_attn_version", lambda: installed)
+    if env is None:
+        monkeypatch.delenv("PLANNER_KERNEL_PROFILE", raising=False)
+    else:
+        monkeypatch.setenv("PLANNER_KERNEL_PROFILE", env)
+    request = PlanRequest(doc_lengths=(3000, 1000, 96), cp_size=2)
+    assert request.kernel == want
+    plan = solve(request)
+    assert plan.kernel == want and plan.to_dict()["kernel"] == want  # recorded in the plan
+    # Same environment, same plan, byte for byte.
+    assert solve(PlanRequest(doc_lengths=(3000, 1000, 96), cp_size=2)).to_json() == plan.to_json()
+    # An explicit kernel is kept whatever the environment says.
+    assert PlanRequest(doc_lengths=(5,), cp_size=1, kernel="h100-fa3").kernel == "h100-fa3"
+
+
 def test_declared_profile_must_exist():
     with pytest.raises(ValueError, match="kernel profile 'nope' is unknown"):
         default_kernel_profile({"PLANNER_KERNEL_PROFILE": "nope"}, None)
@@ -102,3 +369,17 @@ def test_bad_profile_field_is_named():
         kernel_profile_from_dict({**FA2.to_dict(), "tiling": "diagonal"})
     with pytest.raises(ValueError, match="kernel.copy_gbps"):
         kernel_profile_from_dict({**FA2.to_dict(), "copy_gbps": 0.0})
+
+
+def test_a_ring_too_large_to_model_is_refused_by_both_forms(monkeypatch):
+    shards = [[Shard(0, 8 * i, 8 * i + 8), Shard(1, 8 * i, 8 * i + 8)] for i in range(4)]
+    assert mw.ring_pairs(np.repeat(np.arange(4), 2), np.tile([0, 1], 4)) == 8 * 3
+    monkeypatch.setattr(mw, "MAX_RING_PAIRS", 23)
+    kw = dict(tokens_per_rank=16, num_ranks=4, comm_mode="p2p_ring", model=CPU_MODEL, kernel=TORCH,
+              link=GLOO)
+    with pytest.raises(ValueError, match="kernel: .* at most 23 .* this group has 24"):
+        group_steps(cost.shard_arrays(shards), recv_tokens=np.full(4, 48), **kw)
+    with pytest.raises(ValueError, match="kernel: .* at most 23 .* this group has 24"):
+        rank_step(shards[0], recv_tokens=48, ring_blocks=shards[1:], **kw)
+    monkeypatch.setattr(mw, "MAX_RING_PAIRS", 24)
+    group_steps(cost.shard_arrays(shards), recv_tokens=np.full(4, 48), **kw)

@@ -14,6 +14,7 @@ from planner_service.core.profiles import get_kernel_profile, get_link_profile
 from planner_service.core.step_time import (
     attention_tiles_of,
     attention_tiles_per_shard,
+    group_steps,
     rank_step,
 )
 
@@ -45,8 +46,9 @@ def group_metrics_of(
     link: str,
 ) -> tuple[Metrics, RankStats]:
     """``group_metrics`` given the shards also as ``cost.ShardArrays`` (None: not
-    representable in int64, computed shard by shard). O(s log s) for s shards in numpy,
-    plus ``rank_step`` per rank (O(shards + tiles))."""
+    representable in int64, computed shard by shard and ``rank_step`` rank by rank).
+    O(s log s) for s shards in numpy, plus ``group_steps`` (O(shards + tiles) for the
+    flash-attn profiles; no loop over ranks)."""
     n = len(shards_per_rank)
     kernel_profile, link_profile = get_kernel_profile(kernel), get_link_profile(link)
     counts = np.fromiter(map(len, shards_per_rank), dtype=np.int64, count=n)
@@ -75,21 +77,33 @@ def group_metrics_of(
     full = cost.full_exchange_tokens(n, tokens_per_rank)
     recv = cost.recv_tokens_by_mode(comm_mode, volumes, tokens_per_rank)
     tiles = cost.per_rank_sums(per_shard, bounds)
-    steps = {
-        i: rank_step(
-            shards_per_rank[i],
-            recv_tokens=recv[i],
-            tokens_per_rank=tokens_per_rank,
-            num_ranks=n,
-            comm_mode=comm_mode,
-            model=model,
-            kernel=kernel_profile,
-            link=link_profile,
-            tiles=int(tiles[i]),
-        )
-        for i in range(n)
-    }
-    slowest = max(steps, key=lambda i: (steps[i].total_ms, -i))
+    if arrays is None:
+        steps = [
+            rank_step(
+                shards_per_rank[i],
+                recv_tokens=recv[i],
+                tokens_per_rank=tokens_per_rank,
+                num_ranks=n,
+                comm_mode=comm_mode,
+                model=model,
+                kernel=kernel_profile,
+                link=link_profile,
+                tiles=int(tiles[i]),
+                ring_blocks=[shards_per_rank[(i - s) % n] for s in range(1, n)],
+            )
+            for i in range(n)
+        ]
+        totals = [s.total_ms for s in steps]
+        slowest = max(range(n), key=lambda i: (totals[i], -i))
+        step = steps[slowest]
+        est = (step.total_ms, step.attn_ms, step.comm_ms, step.linear_ms)
+    else:
+        group = group_steps(arrays, recv_tokens=np.asarray(recv, dtype=np.int64),
+                            tokens_per_rank=tokens_per_rank, num_ranks=n, comm_mode=comm_mode,
+                            model=model, kernel=kernel_profile, link=link_profile, tiles=tiles)
+        slowest = int(np.argmax(group.total_ms))  # the first of equal maxima: lowest index
+        est = (float(group.total_ms[slowest]), float(group.attn_ms[slowest]),
+               float(group.comm_ms[slowest]), float(group.linear_ms[slowest]))
     comm_tokens = max(recv)
     metrics = Metrics(
         imbalance=cost.imbalance(workloads),
@@ -105,10 +119,10 @@ def group_metrics_of(
         comm_saving_alltoallv=cost.saving(volumes.alltoallv_tokens, full),
         comm_bytes=comm_tokens * model.kv_bytes_per_token,
         full_comm_bytes=full * model.kv_bytes_per_token,
-        est_step_ms=steps[slowest].total_ms,
-        est_attn_ms=steps[slowest].attn_ms,
-        est_comm_ms=steps[slowest].comm_ms,
-        est_linear_ms=steps[slowest].linear_ms,
+        est_step_ms=est[0],
+        est_attn_ms=est[1],
+        est_comm_ms=est[2],
+        est_linear_ms=est[3],
         tokens_per_rank=tokens_per_rank,
         padding_tokens=sum(padding),
         num_shards=sum(len(rank) for rank in shards_per_rank),

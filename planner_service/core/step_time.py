@@ -1,42 +1,75 @@
 """Per-layer step-time estimate of one rank: what the worker runtime executes, term by term.
 
-The runtime (worker_runtime/attention.py, comm.py) runs one attention layer as: stack the
-local K and V, one blocking KV collective, gather every shard's keys ``[0, e)`` into
-contiguous K and V (``index_select``), one varlen kernel call on the real queries, zero
-rows appended for padding; backward mirrors it (kernel backward, scatter-add of the key
-gradients, one blocking all-to-all returning dK/dV to their owners, add into the local
-gradient). A ``p2p_ring`` plan runs as the full all-gather: same bytes, one kernel call,
-no overlap. Nothing overlaps anything, so the estimate is a plain sum:
+The runtime (worker_runtime/attention.py, overlap.py, ring.py, comm.py) runs one attention
+layer (forward + backward) on one of three paths, set by the kernel (:func:`execution_path`):
 
-``kernel``  tiles x FLOPs per tile at the profile's rate, plus per-call, per-segment and
-            per-tile overheads. Two tilings, as the two kernels loop:
-            ``segment`` (FlashAttention): each shard of s queries starting at doc
-            position p runs in ceil(s / tile_q) query tiles, query tile j reading
-            ceil((p + min((j + 1) tile_q, s)) / tile_k) key tiles; a started tile costs a
-            full tile (tile quantisation; FlashCP Fig. 3, WLB-LLM section 5).
-            ``packed`` (the runtime's PyTorch kernel): query blocks of tile_q rows of the
-            packed local queries, each against the key span from its first row's segment
-            start to its last row's limit, in blocks of tile_k keys; FLOPs are the exact
-            block sizes (dense inside a block), each block pair pays ``per_tile_us``.
-``copy``    the runtime's copies around the kernel, in bytes (see :func:`copy_bytes`), at
-            the profile's copy bandwidth, plus a fixed cost per eager op.
-``comm``    two blocking collectives (forward KV, backward dK/dV), each latency + a step
-            cost per peer (N - 1 sends and receives) + received bytes / bandwidth,
-            exposed in full.
+``gathered``  flash-attn (a ``segment``-tiling profile; CUDA, fp16/bf16), every comm mode.
+              Stack the local K and V, one blocking KV collective over the N - 1 peers,
+              gather every shard's keys ``[0, e)`` into contiguous K and V, one varlen
+              kernel call on the real queries, padding rows appended; backward mirrors it
+              (one blocking all-to-all returns dK/dV). A ``p2p_ring`` plan runs as the full
+              all-gather. Nothing overlaps; ``overlap`` has no effect.
+``lean``      the PyTorch kernel (a ``packed``-tiling profile), gather modes. The K and V
+              collectives (two, async) start, the local call (every real query against the
+              rank's own keys) runs while they are in flight, then one copy of the distinct
+              remote KV, the remote call (the queries that see a remote key) and a
+              log-sum-exp merge. Backward: the remote call's gradients first, the dK/dV
+              return (two collectives, async) in flight during the local call's gradients.
+``ring``      the PyTorch kernel, ``p2p_ring``. N - 1 point-to-point shifts of the whole
+              local K/V block (T rows, padding included): shift 0 in flight during the local
+              call, shift s during step s's call and merge (the block of slot ``i - s``);
+              one call per step whose queries see a key of the block. Backward circulates
+              the blocks again with a dK/dV accumulator per block; each step's call waits for
+              the accumulator the previous step sent when its call ended, so those N - 1
+              transfers are exposed (the block shifts travel beside them and are taken as
+              hidden; the link is taken to carry both at once).
+
+Terms (forward + backward, milliseconds):
+
+``kernel``  Sum over the path's calls: FLOPs at the profile's rates, plus
+            ``call_overhead_us`` per call (fwd + bwd), ``per_seq_us`` per shard (charged
+            once, with the local call), ``per_tile_us`` per tile and ``per_row_block_us``
+            per query tile. Gathered: ``segment`` tiling (FlashAttention): each shard of s
+            queries at doc position p runs ceil(s / tile_q) query tiles, query tile j
+            reading ceil((p + min((j + 1) tile_q, s)) / tile_k) key tiles; a started tile
+            costs a full tile (FlashCP Fig. 3, WLB-LLM section 5). Lean and ring: the
+            PyTorch kernel's blocks of tile_q query rows x tile_k keys over doc-masked key
+            sets (core/masked_work.py), dense inside a block.
+``copy``    Bytes written by the path's eager copies (:func:`path_rows`) at ``copy_gbps``,
+            plus ``op_overhead_us`` per op.
+``comm``    Exposed exchange. A collective over the N - 1 peers costs ``latency_us +
+            (N - 1) per_peer_us``, a ring shift ``latency_us + per_peer_us``, plus bytes /
+            bandwidth; R = tokens received per pass, T = rows per rank, b = K+V bytes per
+            token, phi = the forward share of a call's time (:func:`forward_share`):
+
+            - gathered: 2 X1 with X1 = one collective of R b bytes;
+            - lean, overlap off: 2 X with X = two collectives (K, V) of R b bytes in all;
+              on: max(0, X - phi K_loc) + max(0, X - ((1 - phi) K_loc + C_win)), K_loc the
+              local call, C_win the copies between backward's start and wait (the remote
+              queries' dQ add, the dK/dV concatenation);
+            - ring, t = one shift of T b bytes; overlap off: 3 (N - 1) t; on:
+              max(0, t - phi K_loc) + sum over steps s = 1..N-2 of max(0, t - W_s)
+              + max(0, t - (1 - phi) K_loc) + (N - 1) t, with W_s = phi K_s + the step's
+              merge copies (0 for a step without queries).
+
+            No comm when the rank receives nothing (R = 0).
 ``linear``  the layer's GEMMs on every local row, padding included.
 
-Padding rows cost copies and linear time, not kernel time (the kernel sees real rows only),
-and travel in the ``full`` exchange (its buffers are whole local buffers).
+Padding rows cost copies, transfers and linear time, not kernel time. On the lean and ring
+paths every row is counted at ``model.dtype_bytes`` (the PyTorch kernel computes in the
+input dtype for float32 and float64). :func:`rank_step` is the reference, rank by rank;
+:func:`group_steps` computes a whole group in numpy and equals it (tests compare them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from planner_service.core.cost import comm_volumes, recv_tokens_by_mode
+from planner_service.core import masked_work as mw
+from planner_service.core.cost import ShardArrays, comm_volumes, per_rank_sums, recv_tokens_by_mode
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Plan, Shard
 from planner_service.core.profiles import KernelProfile, LinkProfile
@@ -44,11 +77,19 @@ from planner_service.core.profiles import KernelProfile, LinkProfile
 BWD_FLOP_RATIO = 2.5
 """Backward attention does 2.5x the forward FLOPs (5 vs 2 matmuls; FlashAttention-2 paper)."""
 
-COPY_OPS = 16
-"""Eager tensor ops around the kernel per forward+backward call (attention.py, comm.py):
-forward stack, send index_select, buffer fill, receive concat, source concat, two key
-gathers, padding concat; backward two gather scatter-adds with their zero buffers, local
-clone, receive buffer, gradient index_add, stack split."""
+RUNTIME_OVERLAP = True
+"""The runtime's default (``ContextParallelAttention(overlap=True)``; a test checks it)."""
+
+PATHS = ("gathered", "lean", "ring")
+
+
+def execution_path(kernel: KernelProfile, comm_mode: str) -> str:
+    """The runtime path for a kernel profile and comm mode (module docstring): flash-attn
+    (``segment`` tiling) always gathers; the PyTorch kernel (``packed``) runs a ring for
+    ``p2p_ring`` and the lean path otherwise."""
+    if kernel.tiling == "segment":
+        return "gathered"
+    return "ring" if comm_mode == "p2p_ring" else "lean"
 
 
 def attention_tiles(shards: Sequence[Shard], tile_q: int, tile_k: int) -> int:
@@ -82,62 +123,40 @@ def attention_tiles_of(starts: np.ndarray, lengths: np.ndarray, tile_q: int, til
 
 
 class KernelWork(NamedTuple):
-    """What one rank's kernel call computes."""
+    """What one rank's kernel calls compute, summed over the calls (ints; int64 arrays with
+    one entry per rank in :func:`group_steps`)."""
 
-    pairs: int
-    """Query-key pairs computed (masked ones inside a computed tile included)."""
-    tiles: int
-    """Tiles (segment tiling) or block pairs (packed tiling) visited."""
-    segments: int
-    """Varlen segments (shards)."""
-    row_blocks: int
-    """Query tiles (segment tiling) or query blocks (packed tiling)."""
-
-
-def packed_blocks(shards: Sequence[Shard], block_q: int, block_k: int) -> tuple[int, int, int]:
-    """(pairs, block pairs, query blocks) of the runtime's PyTorch kernel (worker_runtime/kernels.py
-    ``build_meta``): query blocks of ``block_q`` packed rows, each against the keys from its
-    first row's segment start to its last row's limit, cut into ``block_k`` key blocks.
-    O(shards + query blocks)."""
-    shards = [s for s in shards if s.end > s.start]
-    if not shards:
-        return 0, 0, 0
-    lq = np.array([s.end - s.start for s in shards], dtype=np.int64)
-    lk = np.array([s.end for s in shards], dtype=np.int64)
-    cu_q = np.concatenate(([0], np.cumsum(lq)))
-    cu_k = np.concatenate(([0], np.cumsum(lk)))
-    q0 = np.arange(0, int(cu_q[-1]), block_q, dtype=np.int64)
-    q1 = np.minimum(q0 + block_q, cu_q[-1])
-    seg_first = np.searchsorted(cu_q, q0, side="right") - 1
-    seg_last = np.searchsorted(cu_q, q1 - 1, side="right") - 1
-    k_lo = cu_k[seg_first]
-    k_hi = cu_k[seg_last] + (lk - lq)[seg_last] + (q1 - 1 - cu_q[seg_last]) + 1
-    span = k_hi - k_lo
-    return int(((q1 - q0) * span).sum()), int((-(-span // block_k)).sum()), len(q0)
+    pairs: Any
+    """Query-key pairs computed (masked ones inside a computed tile or block included)."""
+    tiles: Any
+    """Tiles (segment tiling) or key blocks (the PyTorch kernel) visited."""
+    segments: Any
+    """Shards of the rank (``per_seq_us`` each)."""
+    row_blocks: Any
+    """Query tiles or query blocks."""
+    calls: Any = 1
+    """Kernel calls (forward + backward each)."""
 
 
 def kernel_work(shards: Sequence[Shard], kernel: KernelProfile, *, tiles: int | None = None) -> KernelWork:
-    """Pairs, tiles and segments of one rank's kernel call under ``kernel``'s tiling.
+    """The gathered path's one call under ``kernel``'s ``segment`` tiling (module docstring).
 
-    ``tiles`` may be passed when already counted (segment tiling only).
+    ``tiles`` may be passed when already counted (:func:`attention_tiles` of ``shards``).
     """
-    if kernel.tiling == "packed":
-        pairs, blocks, rows = packed_blocks(shards, kernel.tile_q, kernel.tile_k)
-        return KernelWork(pairs, blocks, len(shards), rows)
     if tiles is None:
         tiles = attention_tiles(shards, kernel.tile_q, kernel.tile_k)
     rows = sum(-(-(s.end - s.start) // kernel.tile_q) for s in shards)
     return KernelWork(tiles * kernel.tile_q * kernel.tile_k, tiles, len(shards), rows)
 
 
-def kernel_ms(work: KernelWork, model: ModelSpec, kernel: KernelProfile, *, num_calls: int = 1) -> float:
-    """Forward+backward kernel time in milliseconds for ``work``."""
+def kernel_ms(work: KernelWork, model: ModelSpec, kernel: KernelProfile) -> Any:
+    """Forward+backward kernel time in milliseconds for ``work`` (fields may be arrays)."""
     fwd_flops = 4.0 * model.head_dim * model.num_heads * work.pairs
     compute_s = fwd_flops / (kernel.fwd_tflops * 1e12) + (
         BWD_FLOP_RATIO * fwd_flops / (kernel.bwd_tflops * 1e12)
     )
     overhead_us = (
-        num_calls * kernel.call_overhead_us
+        work.calls * kernel.call_overhead_us
         + work.segments * kernel.per_seq_us
         + work.tiles * kernel.per_tile_us
         + work.row_blocks * kernel.per_row_block_us
@@ -145,56 +164,134 @@ def kernel_ms(work: KernelWork, model: ModelSpec, kernel: KernelProfile, *, num_
     return compute_s * 1e3 + overhead_us * 1e-3
 
 
-def attention_ms(
-    shards: Sequence[Shard],
-    model: ModelSpec,
-    kernel: KernelProfile,
-    *,
-    num_calls: int = 1,
-    tiles: int | None = None,
-) -> float:
-    """Forward+backward attention kernel time of one rank in milliseconds.
-
-    ``tiles`` may be passed when already counted (attention_tiles of ``shards``).
-    """
-    return kernel_ms(kernel_work(shards, kernel, tiles=tiles), model, kernel, num_calls=num_calls)
+def forward_share(kernel: KernelProfile) -> float:
+    """The forward pass's share of a call's time: the FLOP-time share
+    ``(1 / fwd) / (1 / fwd + 2.5 / bwd)``, applied to the whole call (overheads included)."""
+    fwd = 1.0 / kernel.fwd_tflops
+    return fwd / (fwd + BWD_FLOP_RATIO / kernel.bwd_tflops)
 
 
 def key_rows(shards: Sequence[Shard]) -> int:
-    """Rows of the gathered K (and V) the kernel reads: keys ``[0, e)`` for every shard."""
+    """Rows of the gathered K (and V) the flash kernel reads: keys ``[0, e)`` per shard."""
     return sum(s.end for s in shards)
 
 
-def copy_bytes(
-    *, tokens_per_rank: int, recv_tokens: int, key_tokens: int, real_tokens: int, model: ModelSpec
-) -> int:
-    """Bytes written by the runtime's copies around the kernel, forward + backward.
+# -- copies -------------------------------------------------------------------------------
 
-    KV rows (K and V, ``kv_bytes_per_token``): forward stack (T), send gather and receive
-    concat (~2R), source concat (T + R), key gathers (Kk); backward zeroed source
-    gradient (T + R), key scatter-add (Kk), local clone (T), returned-gradient add (~R),
-    stack split (T). Query-shaped rows (H heads): output padding concat (T) and the
-    kernel's query slice (real rows). T local rows with padding, R received, Kk key rows.
+COPY_OPS = 16
+"""Eager tensor ops around the kernel on the gathered path, forward + backward (attention.py,
+comm.py): forward stack, send index_select, buffer fill, receive concat, source concat, two
+key gathers, padding concat; backward two gather scatter-adds with their zero buffers,
+local clone, receive buffer, gradient index_add, stack split."""
+MERGE_OPS = 13
+"""Ops of one log-sum-exp merge with its query select (overlap.merge_parts)."""
+PART_OPS = 20
+"""Ops a second part (lean remote part, ring step) adds, forward + backward: query select
+and merge (13); backward selects of dO, Q, LSE, delta (4), dQ add (1), and the dK/dV
+write (lean: index_copy into the return buffer; ring: the accumulator add) (2)."""
+SEND_ROWS = {"full": (0, 0, 2, 4), "compact_allgather": (2, 4, 2, 4), "alltoallv": (1, 2, 1, 2)}
+"""Lean path per gather mode: (send-buffer rows, ops, returned-gradient rows, ops), rows in
+units of the per-peer buffer B = R / (N - 1) (all-gathers) or of R (all-to-all-v).
+Compact: zeroed buffer + index_select (2B), sum of the returned blocks + index_add (2B);
+full sends its K and V in place; all-to-all-v: index_select of the sent rows, index_add
+of the returned (the sent rows taken as R)."""
+
+
+class Rows(NamedTuple):
+    """Rows written by eager copies: K+V rows (``kv_bytes_per_token`` each), query-shaped
+    rows (heads x head_dim), log-sum-exp rows (heads), and the op count."""
+
+    kv: Any
+    q: Any
+    lse: Any
+    ops: Any
+
+    def bytes(self, model: ModelSpec) -> Any:
+        q_row = model.num_heads * model.head_dim * model.dtype_bytes
+        return self.kv * model.kv_bytes_per_token + self.q * q_row + self.lse * (
+            model.num_heads * model.dtype_bytes)
+
+
+def path_rows(path: str, comm_mode: str, *, tokens_per_rank: Any, real: Any, recv: Any,
+              key_tokens: Any = 0, remote_keys: Any = 0, queries: Any = 0, parts: Any = 0,
+              num_ranks: int) -> Rows:
+    """Rows the path's copies write, forward + backward (values may be arrays).
+
+    T rows per rank (padding included), r real, R received per pass; ``key_tokens`` the
+    gathered keys (gathered path), ``remote_keys`` F the distinct remote KV (lean),
+    ``queries`` Q the second parts' query rows and ``parts`` the calls after the local one.
+
+    - gathered: K+V 4T + 5R + 2 key_tokens (forward stack, send and receive ~2R, source
+      concat T + R, key gathers; backward zeroed source gradient T + R, scatter-add, clone,
+      returned add ~R, split); queries T + r; COPY_OPS ops.
+    - lean: K+V send + returned (SEND_ROWS) + 2F (remote copy, dK/dV index_copy) + R
+      (zeroed return buffer) + 2T - r (dK, dV padding concat); queries 9Q + 4T - r (query
+      select, merge 5Q, output concat 2T - r, delta r, dO/Q selects 2Q, dQ add Q, dQ
+      concat 2T - r); LSE 9Q + r; 14 ops + send/return ops + PART_OPS with a remote part.
+    - ring: K+V 2T - r (dK, dV concat) + 2T (first accumulator zeros, final add; N > 1) + T
+      per step with queries (accumulator add); queries 4T - r + 9Q; LSE r + 9Q; 10 ops
+      (+ 4 for N > 1) + PART_OPS per step with queries.
     """
-    kv_rows = 4 * tokens_per_rank + 5 * recv_tokens + 2 * key_tokens
-    q_row = model.num_heads * model.head_dim * model.dtype_bytes
-    return kv_rows * model.kv_bytes_per_token + (tokens_per_rank + real_tokens) * q_row
+    t, r = tokens_per_rank, real
+    if path == "gathered":
+        return Rows(4 * t + 5 * recv + 2 * key_tokens, t + r, 0 * t, COPY_OPS + 0 * t)
+    base_q, base_lse = 4 * t - r + 9 * queries, r + 9 * queries
+    if path == "lean":
+        moves = recv > 0
+        send, send_ops, ret, ret_ops = SEND_ROWS[comm_mode]
+        unit = recv if comm_mode == "alltoallv" else recv // max(num_ranks - 1, 1)
+        kv = moves * ((send + ret) * unit) + 2 * remote_keys + recv + 2 * t - r
+        return Rows(kv, base_q, base_lse, 14 + moves * (send_ops + ret_ops) + PART_OPS * parts)
+    ring = num_ranks > 1
+    return Rows(2 * t - r + ring * 2 * t + parts * t, base_q, base_lse,
+                10 + 4 * ring + PART_OPS * parts)
 
 
-def copy_ms(num_bytes: int, kernel: KernelProfile) -> float:
-    """Copy time: bytes / copy bandwidth + one eager-op overhead per op (COPY_OPS)."""
-    return num_bytes / (kernel.copy_gbps * 1e9) * 1e3 + COPY_OPS * kernel.op_overhead_us * 1e-3
+def copy_ms(num_bytes: Any, kernel: KernelProfile, ops: Any = COPY_OPS) -> Any:
+    """Copy time: bytes / copy bandwidth + ``ops`` eager-op overheads."""
+    return num_bytes / (kernel.copy_gbps * 1e9) * 1e3 + ops * kernel.op_overhead_us * 1e-3
 
 
-def transfer_ms(num_bytes: int, link: LinkProfile, peers: int = 1) -> float:
-    """One blocking collective with ``peers`` other ranks: latency + per-peer step cost
-    + bytes / bandwidth."""
-    return (link.latency_us + peers * link.per_peer_us) * 1e-3 + num_bytes / (link.bandwidth_gbps * 1e9) * 1e3
+def lean_window_rows(tokens_per_rank: Any, real: Any, queries: Any) -> Rows:
+    """Lean backward: copies between starting the dK/dV return and waiting for it (the
+    remote queries' dQ add, the dK/dV padding concatenation)."""
+    return Rows(2 * tokens_per_rank - real, queries, 0 * queries, 4 + (queries > 0))
+
+
+def merge_rows(queries: Any) -> Rows:
+    """One ring step's query select and log-sum-exp merge (forward)."""
+    return Rows(0 * queries, 6 * queries, 7 * queries, MERGE_OPS + 0 * queries)
+
+
+# -- communication and linear layers ------------------------------------------------------
+
+
+def transfer_ms(num_bytes: Any, link: LinkProfile, peers: int = 1, collectives: int = 1) -> Any:
+    """``collectives`` collectives with ``peers`` other ranks moving ``num_bytes`` in all:
+    latency + per-peer step cost each, + bytes / bandwidth."""
+    return (collectives * (link.latency_us + peers * link.per_peer_us)) * 1e-3 + num_bytes / (
+        link.bandwidth_gbps * 1e9) * 1e3
 
 
 def linear_ms(tokens: int, model: ModelSpec, kernel: KernelProfile) -> float:
     """Forward+backward time of one layer's linear layers for ``tokens`` (padding included)."""
     return tokens * model.linear_flops_per_token / (kernel.linear_tflops * 1e12) * 1e3
+
+
+def ring_shift_ms(tokens_per_rank: int, model: ModelSpec, link: LinkProfile) -> float:
+    """One ring shift: the whole local K and V block to the next slot."""
+    return transfer_ms(tokens_per_rank * model.kv_bytes_per_token, link, 1)
+
+
+def ring_window_ms(work: KernelWork, queries: Any, model: ModelSpec, kernel: KernelProfile) -> Any:
+    """W_s: a ring step's forward work while the next shift is in flight (its call's forward
+    share and its merge copies)."""
+    m = merge_rows(queries)
+    return forward_share(kernel) * kernel_ms(work, model, kernel) + copy_ms(
+        m.bytes(model), kernel, m.ops)
+
+
+# -- the estimate --------------------------------------------------------------------------
 
 
 class StepEstimate(NamedTuple):
@@ -203,7 +300,7 @@ class StepEstimate(NamedTuple):
     kernel_ms: float
     copy_ms: float
     comm_ms: float
-    """Exposed communication: all of it (the runtime's collectives block)."""
+    """Exposed communication: what the path's overlap does not hide."""
     linear_ms: float
 
     @property
@@ -213,12 +310,177 @@ class StepEstimate(NamedTuple):
 
     @property
     def layer_ms(self) -> float:
-        """The attention layer as the runtime runs it: kernel + copies + exchange."""
+        """The attention layer as the runtime runs it: kernel + copies + exposed exchange."""
         return self.kernel_ms + self.copy_ms + self.comm_ms
 
     @property
     def total_ms(self) -> float:
         return self.kernel_ms + self.copy_ms + self.comm_ms + self.linear_ms
+
+
+class StepArrays(NamedTuple):
+    """:class:`StepEstimate` of every rank of a group, as float64 arrays in rank order."""
+
+    kernel_ms: np.ndarray
+    copy_ms: np.ndarray
+    comm_ms: np.ndarray
+    linear_ms: np.ndarray
+
+    @property
+    def attn_ms(self) -> np.ndarray:
+        return self.kernel_ms + self.copy_ms
+
+    @property
+    def layer_ms(self) -> np.ndarray:
+        return self.kernel_ms + self.copy_ms + self.comm_ms
+
+    @property
+    def total_ms(self) -> np.ndarray:
+        return self.kernel_ms + self.copy_ms + self.comm_ms + self.linear_ms
+
+
+class Terms(NamedTuple):
+    """A rank's (or every rank's) inputs to the estimate and the terms (scalars or arrays)."""
+
+    work: KernelWork
+    """Summed over the calls."""
+    rows: Rows
+    copy_bytes: Any
+    comm_bytes: Any
+    """Bytes moved over both passes (a ring's backward moves its blocks and accumulators)."""
+    passes: Any
+    """Collectives or shifts paid (0 when the rank receives nothing)."""
+    peer_steps: Any
+    """Per-peer steps of those: collectives x (N - 1), or one per shift."""
+    transfer_ms: Any
+    """Every transfer in full (what overlap off exposes)."""
+    kernel_ms: Any
+    copy_ms: Any
+    comm_ms: Any
+    linear_ms: float
+
+
+def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: int, real: Any,
+               recv: Any, local: KernelWork, extra: KernelWork, queries: Any, remote_keys: Any,
+               key_tokens: Any, ring_hidden: Any, ring_mid_calls: Any, model: ModelSpec,
+               kernel: KernelProfile, link: LinkProfile, overlap: bool) -> Terms:
+    """The terms from a rank's counts (module docstring); per-rank values may be arrays,
+    so :func:`rank_step` and :func:`group_steps` share every formula.
+
+    ``local``: the gathered path's call or the local call; ``extra``: the lean remote call or
+    the ring's steps, summed (``calls`` of them); ``queries``: their query rows.
+    ``ring_hidden``: sum over ring steps 1..N-2 with a call of max(0, t - W_s), in step order;
+    ``ring_mid_calls``: how many such steps.
+    """
+    t_rows, n = tokens_per_rank, num_ranks
+    kvb = model.kv_bytes_per_token
+    work = KernelWork(local.pairs + extra.pairs, local.tiles + extra.tiles,
+                      local.segments + extra.segments, local.row_blocks + extra.row_blocks,
+                      local.calls + extra.calls)
+    kern = kernel_ms(work, model, kernel)
+    rows = path_rows(path, comm_mode, tokens_per_rank=t_rows, real=real, recv=recv,
+                     key_tokens=key_tokens, remote_keys=remote_keys, queries=queries,
+                     parts=extra.calls, num_ranks=n)
+    nbytes = rows.bytes(model)
+    copies = copy_ms(nbytes, kernel, rows.ops) if t_rows else 0.0 * nbytes
+    moves = recv > 0
+    phi = forward_share(kernel)
+    if path == "ring":
+        shift = ring_shift_ms(t_rows, model, link)
+        passes = moves * (3 * (n - 1))
+        comm_bytes = moves * (3 * recv * kvb)
+        transfer = moves * ((3 * (n - 1)) * shift)
+        if overlap:
+            k_loc = kernel_ms(local, model, kernel)
+            empty = max(n - 2, 0) - ring_mid_calls
+            exposed = (np.maximum(0.0, shift - phi * k_loc) + ring_hidden + empty * shift) + (
+                np.maximum(0.0, shift - (1 - phi) * k_loc) + (n - 1) * shift)
+            comm = moves * exposed
+        else:
+            comm = transfer
+        peer_steps = passes
+    else:
+        lean = path == "lean"
+        passes = moves * (4 if lean else 2)
+        peer_steps = passes * (n - 1)
+        comm_bytes = moves * (2 * recv * kvb)
+        one = transfer_ms(recv * kvb, link, n - 1, 2 if lean else 1)
+        transfer = moves * (2 * one)
+        if lean and overlap:
+            k_loc = kernel_ms(local, model, kernel)
+            win = lean_window_rows(t_rows, real, queries)
+            hide_b = (1 - phi) * k_loc + copy_ms(win.bytes(model), kernel, win.ops)
+            comm = moves * (np.maximum(0.0, one - phi * k_loc) + np.maximum(0.0, one - hide_b))
+        else:
+            comm = transfer
+    return Terms(work, rows, nbytes, comm_bytes, passes, peer_steps, transfer, kern, copies,
+                 comm, linear_ms(t_rows, model, kernel))
+
+
+def _blocks_work(b: mw.Blocks, calls: int, segments: int = 0) -> KernelWork:
+    return KernelWork(b.pairs, b.tiles, segments, b.row_blocks, calls)
+
+
+def rank_terms(
+    shards: Sequence[Shard],
+    *,
+    recv_tokens: int,
+    tokens_per_rank: int,
+    num_ranks: int,
+    comm_mode: str,
+    model: ModelSpec,
+    kernel: KernelProfile,
+    link: LinkProfile,
+    tiles: int | None = None,
+    overlap: bool = RUNTIME_OVERLAP,
+    ring_blocks: Sequence[Sequence[Shard]] | None = None,
+) -> Terms:
+    """:func:`rank_step`'s terms with their inputs (what a fit regresses on)."""
+    path = execution_path(kernel, comm_mode)
+    real = sum(s.end - s.start for s in shards)
+    zero = KernelWork(0, 0, 0, 0, 0)
+    common: dict[str, Any] = dict(tokens_per_rank=tokens_per_rank, num_ranks=num_ranks, real=real,
+                                  recv=recv_tokens, model=model, kernel=kernel, link=link,
+                                  overlap=overlap)
+    if path == "gathered":
+        work = kernel_work(shards, kernel, tiles=tiles)
+        return path_terms(path, comm_mode, local=work, extra=zero, queries=0, remote_keys=0,
+                          key_tokens=key_rows(shards), ring_hidden=0.0, ring_mid_calls=0,
+                          **common)
+    bq, bk = kernel.tile_q, kernel.tile_k
+    if path == "lean":
+        lw = mw.lean_work(shards, bq, bk)
+        local = _blocks_work(lw.local, 1, len(shards))
+        parts = int(lw.remote.queries > 0)
+        return path_terms(path, comm_mode, local=local, extra=_blocks_work(lw.remote, parts),
+                          queries=lw.remote.queries, remote_keys=lw.remote_keys, key_tokens=0,
+                          ring_hidden=0.0, ring_mid_calls=0, **common)
+    if num_ranks > 1 and (ring_blocks is None or len(ring_blocks) != num_ranks - 1):
+        raise ValueError(f"ring_blocks must list the {num_ranks - 1} blocks a ring rank attends "
+                         "(the shards of slots i - 1, ..., i - N + 1)")
+    if num_ranks > 1:
+        held = [(r, sh.doc) for r, rank in enumerate((shards, *(ring_blocks or ())))
+                for sh in rank if sh.end > sh.start]
+        mw.check_ring_size(mw.ring_pairs(np.array([r for r, _ in held], dtype=np.int64),
+                                         np.array([d for _, d in held], dtype=np.int64)))
+    local_blocks = mw.masked_blocks(*mw.shard_rows(shards), *mw.shard_rows(shards), bq, bk)
+    local = _blocks_work(local_blocks, 1, len(shards))
+    shift = ring_shift_ms(tokens_per_rank, model, link)
+    steps = [mw.ring_step_work(shards, block, bq, bk) for block in (ring_blocks or ())]
+    pairs = tiles_sum = row_blocks = queries = calls = mid = 0
+    hidden = 0.0
+    for s, b in enumerate(steps, start=1):
+        if not b.queries:
+            continue
+        pairs, tiles_sum, row_blocks = pairs + b.pairs, tiles_sum + b.tiles, row_blocks + b.row_blocks
+        queries, calls = queries + b.queries, calls + 1
+        if s <= num_ranks - 2:
+            w = ring_window_ms(_blocks_work(b, 1), b.queries, model, kernel)
+            hidden += max(0.0, shift - w)
+            mid += 1
+    extra = KernelWork(pairs, tiles_sum, 0, row_blocks, calls)
+    return path_terms(path, comm_mode, local=local, extra=extra, queries=queries, remote_keys=0,
+                      key_tokens=0, ring_hidden=hidden, ring_mid_calls=mid, **common)
 
 
 def rank_step(
@@ -232,33 +494,103 @@ def rank_step(
     kernel: KernelProfile,
     link: LinkProfile,
     tiles: int | None = None,
+    overlap: bool = RUNTIME_OVERLAP,
+    ring_blocks: Sequence[Sequence[Shard]] | None = None,
 ) -> StepEstimate:
-    """Estimate one rank's per-layer time (module docstring). O(shards + tiles).
+    """Estimate one rank's per-layer time (module docstring). O(shards + tiles) on the
+    gathered path, O(rows + blocks) on the others (the reference :func:`group_steps` equals).
 
-    ``recv_tokens`` is what the rank receives per pass in ``comm_mode`` (for ``p2p_ring``
-    the full all-gather's (N - 1) x tokens_per_rank, which the runtime runs instead).
-    Each pass with anything received costs one collective; forward and backward move the
-    same bytes. ``comm_mode`` does not change the terms: the runtime runs every mode as
-    one blocking collective per pass (over ``num_ranks`` - 1 peers) and one kernel call.
+    ``recv_tokens``: what the rank receives per pass in ``comm_mode`` (``p2p_ring``: the
+    (N - 1) x tokens_per_rank the ring's forward moves). ``tiles``: the shards' segment tiles
+    when already counted. ``overlap``: the runtime's switch (no effect on the gathered
+    path). ``ring_blocks``: on the ring path with N > 1, the shards of the blocks the rank
+    attends at steps 1..N-1 (slots i - 1, i - 2, ... mod N). Shards in (doc, start) order,
+    disjoint, as plans hold them.
     """
-    del comm_mode  # every mode runs as one blocking collective per pass
-    real = sum(s.end - s.start for s in shards)
-    work = kernel_work(shards, kernel, tiles=tiles if kernel.tiling == "segment" else None)
-    copies = copy_bytes(
-        tokens_per_rank=tokens_per_rank, recv_tokens=recv_tokens, key_tokens=key_rows(shards),
-        real_tokens=real, model=model,
-    )
-    comm = (
-        2 * transfer_ms(recv_tokens * model.kv_bytes_per_token, link, num_ranks - 1)
-        if recv_tokens
-        else 0.0
-    )
-    return StepEstimate(
-        kernel_ms(work, model, kernel),
-        copy_ms(copies, kernel) if tokens_per_rank else 0.0,
-        comm,
-        linear_ms(tokens_per_rank, model, kernel),
-    )
+    t = rank_terms(shards, recv_tokens=recv_tokens, tokens_per_rank=tokens_per_rank,
+                   num_ranks=num_ranks, comm_mode=comm_mode, model=model, kernel=kernel,
+                   link=link, tiles=tiles, overlap=overlap, ring_blocks=ring_blocks)
+    return StepEstimate(float(t.kernel_ms), float(t.copy_ms), float(t.comm_ms), float(t.linear_ms))
+
+
+def group_steps(
+    arrays: ShardArrays,
+    *,
+    recv_tokens: np.ndarray,
+    tokens_per_rank: int,
+    num_ranks: int,
+    comm_mode: str,
+    model: ModelSpec,
+    kernel: KernelProfile,
+    link: LinkProfile,
+    tiles: np.ndarray | None = None,
+    overlap: bool = RUNTIME_OVERLAP,
+) -> StepArrays:
+    """:func:`rank_step` of every rank of a group at once (equal to it rank by rank; shard i
+    of ``arrays`` on rank ``arrays.rank[i]``, slot order = rank order), in numpy: gathered
+    path O(shards + tiles), lean O(s log s + blocks), ring O(s log s + t + blocks) for t
+    (shard, other holder of its doc) pairs. No loop over ranks. ``tiles``: per-rank segment
+    tiles when already counted."""
+    n = num_ranks
+    recv = np.asarray(recv_tokens, dtype=np.int64)
+    lengths = arrays.end - arrays.start
+    real = per_rank_sums(lengths, arrays.bounds)
+    segments = np.diff(arrays.bounds)
+    path = execution_path(kernel, comm_mode)
+    common: dict[str, Any] = dict(tokens_per_rank=tokens_per_rank, num_ranks=n, real=real,
+                                  recv=recv, model=model, kernel=kernel, link=link,
+                                  overlap=overlap)
+    zero = np.zeros(n, dtype=np.int64)
+    none = KernelWork(zero, zero, zero, zero, zero)
+    if path == "gathered":
+        if tiles is None:
+            tiles = per_rank_sums(
+                attention_tiles_of(arrays.start, lengths, kernel.tile_q, kernel.tile_k), arrays.bounds)
+        tiles = np.asarray(tiles, dtype=np.int64)
+        rows = per_rank_sums(-(-lengths // kernel.tile_q), arrays.bounds)
+        work = KernelWork(tiles * kernel.tile_q * kernel.tile_k, tiles, segments, rows, 1 + zero)
+        t = path_terms(path, comm_mode, local=work, extra=none, queries=zero, remote_keys=zero,
+                       key_tokens=per_rank_sums(arrays.end, arrays.bounds), ring_hidden=0.0,
+                       ring_mid_calls=0, **common)
+        return _arrays(t, n)
+    bq, bk = kernel.tile_q, kernel.tile_k
+    s = mw.sort_shards(arrays.rank, arrays.doc, arrays.start, arrays.end, n)
+    if path == "lean":
+        lw = mw.group_lean_work(s, bq, bk)
+        local = KernelWork(lw.local.pairs, lw.local.tiles, segments, lw.local.row_blocks, 1 + zero)
+        parts = (lw.remote.queries > 0).astype(np.int64)
+        extra = KernelWork(lw.remote.pairs, lw.remote.tiles, zero, lw.remote.row_blocks, parts)
+        t = path_terms(path, comm_mode, local=local, extra=extra, queries=lw.remote.queries,
+                       remote_keys=lw.remote_keys, key_tokens=zero, ring_hidden=0.0,
+                       ring_mid_calls=0, **common)
+        return _arrays(t, n)
+    lb = mw.blocks_of_calls(s.rank, s.length, s.rank_row[s.run_first[s.run]], s.rank_row, True,
+                            n, bq, bk)
+    local = KernelWork(lb.pairs, lb.tiles, segments, lb.row_blocks, 1 + zero)
+    rw = mw.group_ring_work(s, bq, bk)
+    b = rw.blocks
+
+    def per_rank(x: np.ndarray) -> np.ndarray:
+        return np.bincount(rw.rank, weights=x, minlength=n).astype(np.int64)
+
+    extra = KernelWork(per_rank(b.pairs), per_rank(b.tiles), zero, per_rank(b.row_blocks),
+                       np.bincount(rw.rank, minlength=n).astype(np.int64))
+    shift = ring_shift_ms(tokens_per_rank, model, link)
+    mid = rw.step <= n - 2
+    step_work = KernelWork(b.pairs[mid], b.tiles[mid], 0, b.row_blocks[mid], 1)
+    w = ring_window_ms(step_work, b.queries[mid], model, kernel)
+    hidden = np.bincount(rw.rank[mid], weights=np.maximum(0.0, shift - w), minlength=n)
+    t = path_terms(path, comm_mode, local=local, extra=extra, queries=per_rank(b.queries),
+                   remote_keys=zero, key_tokens=zero, ring_hidden=hidden,
+                   ring_mid_calls=np.bincount(rw.rank[mid], minlength=n), **common)
+    return _arrays(t, n)
+
+
+def _arrays(t: Terms, n: int) -> StepArrays:
+    def f(x: Any) -> np.ndarray:
+        return np.broadcast_to(np.asarray(x, dtype=np.float64), (n,)).copy()
+
+    return StepArrays(f(t.kernel_ms), f(t.copy_ms), f(t.comm_ms), f(t.linear_ms))
 
 
 class RankTerms(NamedTuple):
@@ -266,46 +598,50 @@ class RankTerms(NamedTuple):
 
     group: int
     rank: int
+    path: str
     work: KernelWork
     fwd_flops: float
     copy_bytes: int
+    copy_ops: int
     comm_bytes: int
-    """Bytes received over both passes (forward KV, backward dK/dV)."""
+    """Bytes moved over both passes."""
     passes: int
-    """Blocking collectives paid: 2 when this rank receives anything, else 0."""
+    """Collectives or ring shifts paid (0 when the rank receives nothing)."""
     peer_steps: int
-    """passes x (N - 1): the per-peer steps of those collectives."""
+    """Per-peer steps of those."""
+    transfer_ms: float
+    """Every transfer in full under the link profile (the exposed part is ``estimate.comm_ms``)."""
     estimate: StepEstimate
 
 
 def plan_rank_terms(
     plan: Plan, kernel: KernelProfile, link: LinkProfile, *, comm_mode: str | None = None,
-    model: ModelSpec | None = None,
+    model: ModelSpec | None = None, overlap: bool = RUNTIME_OVERLAP,
 ) -> list[RankTerms]:
     """Per grouped rank of ``plan``, the terms of :func:`rank_step` under any profiles
     (``plan.metrics`` holds them under the plan's named profiles). ``comm_mode`` defaults
-    to the plan's. O(shards + tiles)."""
+    to the plan's. O(shards + tiles) per rank (ring: per rank and step)."""
     mode = comm_mode or plan.comm_mode
     model = model or plan.model
     out = []
     for gi, group in enumerate(plan.groups):
+        n = len(group.ranks)
         tokens_per_rank = max(
             sum(s.end - s.start for s in shards) + pad
             for shards, pad in zip(group.shards, group.padding, strict=True)
         )
         recv = recv_tokens_by_mode(mode, comm_volumes(group.shards), tokens_per_rank)
-        for rank, shards, r in zip(group.ranks, group.shards, recv, strict=True):
-            work = kernel_work(shards, kernel)
-            copies = copy_bytes(
-                tokens_per_rank=tokens_per_rank, recv_tokens=r, key_tokens=key_rows(shards),
-                real_tokens=sum(s.end - s.start for s in shards), model=model,
-            )
-            est = rank_step(shards, recv_tokens=r, tokens_per_rank=tokens_per_rank,
-                            num_ranks=len(group.ranks), comm_mode=mode, model=model,
-                            kernel=kernel, link=link)
+        for slot, (rank, shards, r) in enumerate(zip(group.ranks, group.shards, recv, strict=True)):
+            blocks = [group.shards[(slot - s) % n] for s in range(1, n)]
+            t = rank_terms(shards, recv_tokens=r, tokens_per_rank=tokens_per_rank, num_ranks=n,
+                           comm_mode=mode, model=model, kernel=kernel, link=link,
+                           overlap=overlap, ring_blocks=blocks)
+            est = StepEstimate(float(t.kernel_ms), float(t.copy_ms), float(t.comm_ms),
+                               float(t.linear_ms))
             out.append(RankTerms(
-                gi, rank, work, 4.0 * model.head_dim * model.num_heads * work.pairs, copies,
-                2 * r * model.kv_bytes_per_token, 2 if r else 0,
-                (2 if r else 0) * (len(group.ranks) - 1), est,
+                gi, rank, execution_path(kernel, mode), t.work,
+                4.0 * model.head_dim * model.num_heads * t.work.pairs, int(t.copy_bytes),
+                int(t.rows.ops), int(t.comm_bytes), int(t.passes), int(t.peer_steps),
+                float(t.transfer_ms), est,
             ))
     return out
