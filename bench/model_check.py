@@ -8,17 +8,24 @@
    families (``family:pile``, ``family:redpajama``) and adversarial inputs (one doc filling
    the context; docs of 8 tokens), for N in {2, 3, 4, 8}, ``--tokens-per-rank`` tokens per
    rank (context = N x that). A batch is one sequence at one N; every strategy in
-   STRATEGIES plans it (each with its own exchange; ``p2p_ring`` runs as the full
-   all-gather, as the runtime runs it).
+   STRATEGIES plans it, each with its own exchange, run on the runtime's path for it
+   (core/step_time.py ``execution_path``): on CPU the PyTorch kernel's lean path for the
+   gather modes and a ring for ``p2p_ring``; on CUDA flash-attn's gathered path (a ring
+   plan as the full all-gather).
 2. Measure: one process group per N (gloo on loopback, 1 thread per rank; NCCL with one
    GPU per rank on CUDA). Per plan and rank, the median over ``--repeats`` of the
    runtime's forward+backward attention layer (``ContextParallelAttention`` call plus
-   backward), of its kernel alone (the same varlen call on the rank's layout) and of its
-   KV exchange alone (the exchanger's forward and backward); copies = layer - kernel -
-   exchange. On CPU the times are each rank's process CPU time (the ranks of a world
-   meet at a barrier before each measured function): the machine has fewer cores than ranks, and CPU time
-   counts a rank's own work as if it had a core to itself, like a rank on its own GPU; a
-   rank waiting in gloo uses no CPU (gloo blocks, it does not spin). Wall times are
+   backward), of its kernel calls alone (the path's calls on the rank's own metadata:
+   gathered, one varlen call; lean, the local and remote calls; ring, the local call and
+   one per step with queries) and of its transfers alone (gathered: the exchanger's
+   blocking forward and backward; lean: the K/V and dK/dV collectives; ring: the
+   3 (N - 1) shifts), each waited for; copies = layer - kernel - exchange. On CPU the
+   times are each rank's process CPU time (the ranks of a world meet at a barrier before
+   each measured function): the machine has fewer cores than ranks, and CPU time counts a
+   rank's own work as if it had a core to itself, like a rank on its own GPU; a rank
+   waiting in gloo uses no CPU (gloo blocks, it does not spin). CPU time cannot show
+   overlap (gloo's threads are the rank's own process either way), so on CPU the runtime
+   and the model run with overlap off (``--overlap`` turns it on for both). Wall times are
    recorded beside them. On CUDA the times are wall times after a device synchronize.
 3. Fit the model's coefficients (core/profile_fit.py) on the rank records of the batches
    with even index, predict every plan of the odd ones: a plan's measured step is the
@@ -57,10 +64,13 @@ from planner_service.core.profiles import (
     get_link_profile,
 )
 from planner_service.core.request import PlanRequest
-from planner_service.core.step_time import plan_rank_terms
+from planner_service.core.step_time import execution_path, plan_rank_terms
 from planner_service.data import make_source, pack_sequences
 from planner_service.solvers.registry import solve
-from worker_runtime import ContextParallelAttention, build_meta, varlen_attention
+from worker_runtime import CommCounter, ContextParallelAttention, build_meta, varlen_attention
+from worker_runtime.kernels import VarlenMeta, attention_backward, attention_forward
+from worker_runtime.overlap import build_state
+from worker_runtime.ring import build_ring_state
 from worker_runtime.testing import free_port, run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -123,9 +133,11 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], tuple[float, 
 
 
 def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: torch.device,
-                 dtype: torch.dtype, kernel: str) -> dict[str, float]:
-    """This rank's layer, kernel and exchange times for ``plan`` (collective over the world)."""
-    attn = ContextParallelAttention(plan, comm_mode=None, kernel=kernel, verify="never")
+                 dtype: torch.dtype, kernel: str, overlap: bool, path: str) -> dict[str, float]:
+    """This rank's layer, kernel and exchange times for ``plan`` on the runtime's ``path``
+    (collective over the world)."""
+    attn = ContextParallelAttention(plan, comm_mode=None, kernel=kernel, verify="never",
+                                    overlap=overlap)
     lay = attn.layout
     h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
     gen = torch.Generator(device=device).manual_seed(rank)
@@ -141,26 +153,14 @@ def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: 
         out = attn(q, k, v)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    keys = int(lay.cu_seqlens_k[-1])
-    meta = build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device)
-    kq, kk, kv_ = rand(lay.num_real, h, d), rand(keys, g, d), rand(keys, g, d)
-    kdout = rand(lay.num_real, h, d, grad=False)
-
-    def kernel_call() -> None:
-        if lay.num_real:
-            out = varlen_attention(kq, kk, kv_, meta, d**-0.5, kernel)
-            torch.autograd.grad(out, (kq, kk, kv_), kdout)
-
-    exchanger = attn.exchanger(device)
-    local = rand(t, 2, g, d, grad=False)
-    recv_rows = exchanger.comm.recv_rows
-
-    def exchange() -> None:
-        recv = exchanger.forward(local)
-        exchanger.backward(torch.ones((recv_rows, 2, g, d), device=device, dtype=dtype),
-                           torch.zeros_like(local))
-        del recv
-
+    if lay.group_index < 0:
+        kernel_call = exchange = _nothing
+    elif path == "gathered":
+        kernel_call, exchange = _gathered_parts(attn, model, device, dtype, rand, kernel)
+    elif path == "lean":
+        kernel_call, exchange = _lean_parts(attn, model, device, dtype, rand)
+    else:
+        kernel_call, exchange = _ring_parts(attn, model, device, dtype, rand)
     timer = _timer(device)
     out: dict[str, float] = {}
     # CPU: process CPU time (see the module docstring); CUDA: wall time after a synchronize.
@@ -174,6 +174,111 @@ def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: 
         out[f"{name}_ms"] = statistics.median(r[primary] for r in runs)
         out[f"{name}_wall_ms"] = statistics.median(r[1] for r in runs)
     return out
+
+
+Parts = tuple[Callable[[], None], Callable[[], None]]
+
+
+def _nothing() -> None:
+    """A rank in no group: no kernel call, no transfer."""
+
+
+def _all(calls: list[Callable[[], None]]) -> Callable[[], None]:
+    def run() -> None:
+        for call in calls:
+            call()
+    return run
+
+
+def _gathered_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
+                    dtype: torch.dtype, rand: Callable[..., torch.Tensor], kernel: str) -> Parts:
+    """The gathered path: one varlen call on the rank's gathered keys; the exchanger's
+    blocking forward and backward."""
+    lay = attn.layout
+    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    keys = int(lay.cu_seqlens_k[-1])
+    meta = build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device)
+    kq, kk, kv_ = rand(lay.num_real, h, d), rand(keys, g, d), rand(keys, g, d)
+    kdout = rand(lay.num_real, h, d, grad=False)
+
+    def kernel_call() -> None:
+        if lay.num_real:
+            out = varlen_attention(kq, kk, kv_, meta, d**-0.5, kernel)
+            torch.autograd.grad(out, (kq, kk, kv_), kdout)
+
+    exchanger = attn.exchanger(device)
+    local = rand(lay.num_tokens, 2, g, d, grad=False)
+    recv_rows = exchanger.comm.recv_rows
+
+    def exchange() -> None:
+        recv = exchanger.forward(local)
+        exchanger.backward(torch.ones((recv_rows, 2, g, d), device=device, dtype=dtype),
+                           torch.zeros_like(local))
+        del recv
+
+    return kernel_call, exchange
+
+
+def _call(model: ModelSpec, meta: VarlenMeta, queries: int, keys: int,
+          rand: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    """One forward + backward of the PyTorch kernel (no autograd), as the lean and ring paths
+    call it: ``queries`` rows against ``keys`` rows under ``meta``."""
+    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    q, k, v = rand(queries, h, d, grad=False), rand(keys, g, d, grad=False), rand(keys, g, d, grad=False)
+    do = rand(queries, g, h // g, d, grad=False)
+
+    def run() -> None:
+        _, lse = attention_forward(q, k, v, meta, d**-0.5)
+        attention_backward(do.to(lse.dtype), q, k, v, lse, torch.zeros_like(lse), meta, d**-0.5)
+
+    return run
+
+
+def _lean_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
+                dtype: torch.dtype, rand: Callable[..., torch.Tensor]) -> Parts:
+    """The lean path: the local and remote calls; the K/V and dK/dV collectives."""
+    lay = attn.layout
+    g, d = model.num_kv_heads, model.head_dim
+    ex = attn.exchanger(device)
+    state = build_state(lay, ex, device)
+    calls = [_call(model, state.local_meta, lay.num_real, lay.num_real, rand)]
+    if len(state.query_rows):
+        calls.append(_call(model, state.remote_meta, len(state.query_rows), len(state.select), rand))
+    kt, vt = rand(lay.num_tokens, g, d, grad=False), rand(lay.num_tokens, g, d, grad=False)
+    back = torch.zeros((ex.comm.recv_rows, g, d), device=device, dtype=dtype)
+
+    def exchange() -> None:
+        ex.start_forward(kt, vt).wait()
+        ex.start_backward(back, back).wait()
+
+    return _all(calls), exchange
+
+
+def _ring_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
+                dtype: torch.dtype, rand: Callable[..., torch.Tensor]) -> Parts:
+    """The ring: the local call and one per step with queries; the 3 (N - 1) shifts (forward
+    K/V, backward K/V and dK/dV), each waited for."""
+    lay = attn.layout
+    g, d, t = model.num_kv_heads, model.head_dim, lay.num_tokens
+    state = build_ring_state(lay, attn.process_group, attn.order, CommCounter(), device)
+    calls = [_call(model, state.local_meta, lay.num_real, lay.num_real, rand)]
+    calls += [_call(model, step.meta, len(step.rows), t, rand) for step in state.steps if len(step.rows)]
+    block = (rand(t, g, d, grad=False), rand(t, g, d, grad=False))
+
+    def shift() -> None:
+        works = []
+        for tag, x in enumerate(block):
+            works.append(dist.isend(x, group=state.group, group_dst=state.send_to, tag=tag))
+            works.append(dist.irecv(torch.empty_like(x), group=state.group,
+                                    group_src=state.recv_from, tag=tag))
+        for work in works:
+            work.wait()
+
+    def exchange() -> None:
+        for _ in range(3 * (state.num_ranks - 1)):
+            shift()
+
+    return _all(calls), exchange
 
 
 def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torch.device,
@@ -207,12 +312,13 @@ def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torc
 
 
 def measure_worker(rank: int, world: int, plan_jsons: list[str], model: dict[str, Any],
-                   repeats: int, device_kind: str, kernel: str) -> list[dict[str, float]]:
+                   repeats: int, device_kind: str, kernel: str, overlap: bool,
+                   paths: list[str]) -> list[dict[str, float]]:
     device = torch.device(f"cuda:{rank}" if device_kind == "cuda" else "cpu")
     dtype = torch.bfloat16 if device_kind == "cuda" else torch.float32
     spec = ModelSpec(**model)
-    return [measure_plan(Plan.from_json(p), rank, spec, repeats, device, dtype, kernel)
-            for p in plan_jsons]
+    return [measure_plan(Plan.from_json(p), rank, spec, repeats, device, dtype, kernel, overlap, path)
+            for p, path in zip(plan_jsons, paths, strict=True)]
 
 
 def _nccl_child(rank: int, world: int, port: int, args: tuple[Any, ...], results: Any) -> None:
@@ -260,7 +366,7 @@ def run_nccl(world: int, args: tuple[Any, ...], timeout_s: float) -> list[Any]:
 # -- records, fit, validation --------------------------------------------------------------
 
 def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], list[dict[str, float | None]]],
-                 kernel: KernelProfile, link: LinkProfile) -> list[dict[str, Any]]:
+                 kernel: KernelProfile, link: LinkProfile, overlap: bool) -> list[dict[str, Any]]:
     """One record per grouped rank of every measured plan: model inputs + measured times."""
     out = []
     for bi, b in enumerate(batches):
@@ -268,32 +374,29 @@ def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], 
             per_rank = measured.get((bi, s))
             if per_rank is None:
                 continue
-            for terms in plan_rank_terms(plan, kernel, link, comm_mode=run_mode(plan)):
+            for terms in plan_rank_terms(plan, kernel, link, overlap=overlap):
                 m = per_rank[terms.rank]
                 layer, kern, exch = m["layer_ms"], m["kernel_ms"], m["exchange_ms"]
                 copies = None if layer is None or kern is None or exch is None else max(
                     0.0, layer - kern - exch)
                 out.append({
-                    "batch": bi, "strategy": s, "plan_id": plan.plan_id, "comm_mode": run_mode(plan),
-                    "n": b["n"], "dataset": b["dataset"], "rank": terms.rank, "group": terms.group,
-                    "pairs": terms.work.pairs, "tiles": terms.work.tiles, "segments": terms.work.segments,
-                    "row_blocks": terms.work.row_blocks, "peer_steps": terms.peer_steps,
+                    "batch": bi, "strategy": s, "plan_id": plan.plan_id, "comm_mode": plan.comm_mode,
+                    "path": terms.path, "n": b["n"], "dataset": b["dataset"], "rank": terms.rank,
+                    "group": terms.group, "pairs": terms.work.pairs, "tiles": terms.work.tiles,
+                    "segments": terms.work.segments, "row_blocks": terms.work.row_blocks,
+                    "calls": terms.work.calls, "peer_steps": terms.peer_steps,
                     "fwd_flops": terms.fwd_flops, "copy_bytes": terms.copy_bytes,
-                    "comm_bytes": terms.comm_bytes, "passes": terms.passes,
-                    **m, "copy_ms": copies,
+                    "copy_ops": terms.copy_ops, "comm_bytes": terms.comm_bytes,
+                    "passes": terms.passes, **m, "copy_ms": copies,
                 })
     return out
 
 
-def run_mode(plan: Plan) -> str:
-    """The exchange the runtime runs for the plan (``p2p_ring`` runs as ``full``)."""
-    return "full" if plan.comm_mode == "p2p_ring" else plan.comm_mode
-
-
-def predict(plan: Plan, kernel: KernelProfile, link: LinkProfile) -> tuple[float, dict[int, Any]]:
+def predict(plan: Plan, kernel: KernelProfile, link: LinkProfile,
+            overlap: bool) -> tuple[float, dict[int, Any]]:
     """(predicted step = largest per-rank layer ms, per-rank terms) under the profiles."""
-    terms = plan_rank_terms(plan, kernel, link, comm_mode=run_mode(plan))
-    return max(t.estimate.layer_ms for t in terms), {t.rank: t.estimate for t in terms}
+    terms = plan_rank_terms(plan, kernel, link, overlap=overlap)
+    return max(t.estimate.layer_ms for t in terms), {t.rank: t for t in terms}
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
@@ -314,8 +417,10 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def validate(batches: list[dict[str, Any]], records: list[dict[str, Any]], kernel: KernelProfile,
-             link: LinkProfile) -> dict[str, Any]:
-    """Held-out (odd batch) figures under the fitted profiles."""
+             link: LinkProfile, overlap: bool) -> dict[str, Any]:
+    """Held-out (odd batch) figures under the fitted profiles. A record's predicted
+    exchange is every transfer in full (what was measured alone); its predicted layer has
+    the exposed part."""
     by_plan: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in records:
         by_plan.setdefault((r["batch"], r["strategy"]), []).append(r)
@@ -326,15 +431,17 @@ def validate(batches: list[dict[str, Any]], records: list[dict[str, Any]], kerne
             recs = by_plan.get((bi, s))
             if not recs or any(r["layer_ms"] is None for r in recs):
                 if recs:  # kernel-only records: per-term predictions only
-                    _, per_rank = predict(plan, kernel, link)
+                    _, per_rank = predict(plan, kernel, link, overlap)
                     for r in recs:
-                        r.update(pred_kernel_ms=per_rank[r["rank"]].kernel_ms)
+                        r.update(pred_kernel_ms=per_rank[r["rank"]].estimate.kernel_ms)
                 continue
-            pred, per_rank = predict(plan, kernel, link)
+            pred, per_rank = predict(plan, kernel, link, overlap)
             meas = max(r["layer_ms"] for r in recs)
             for r in recs:
-                e = per_rank[r["rank"]]
-                r.update(pred_kernel_ms=e.kernel_ms, pred_copy_ms=e.copy_ms, pred_exchange_ms=e.comm_ms,
+                t = per_rank[r["rank"]]
+                e = t.estimate
+                r.update(pred_kernel_ms=e.kernel_ms, pred_copy_ms=e.copy_ms,
+                         pred_exchange_ms=t.transfer_ms, pred_exposed_ms=e.comm_ms,
                          pred_layer_ms=e.layer_ms)
             rows.append({"batch": bi, "strategy": s, "held_out": bi % 2 == 1, "measured_ms": meas,
                          "predicted_ms": pred, "rel_error": (pred - meas) / meas})
@@ -414,8 +521,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         keys = [(bi, s) for bi, b in enumerate(batches) if b["n"] == n for s in b["plans"]]
         if not keys:
             continue
-        work = ([batches[bi]["plans"][s].to_json() for bi, s in keys], model.to_dict(), args.repeats,
-                args.device, kernel_name)
+        plans = [batches[bi]["plans"][s] for bi, s in keys]
+        work = ([p.to_json() for p in plans], model.to_dict(), args.repeats, args.device,
+                kernel_name, args.overlap, [execution_path(base_kernel, p.comm_mode) for p in plans])
         if cuda and n > torch.cuda.device_count():
             device = torch.device("cuda:0")
             for bi, s in keys:
@@ -429,11 +537,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                       pg_timeout_s=args.world_timeout)
         for j, key in enumerate(keys):
             measured[key] = [results[r][j] for r in range(n)]
-    records = rank_records(batches, measured, base_kernel, base_link)
+    records = rank_records(batches, measured, base_kernel, base_link, args.overlap)
     fit_records = [r for r in records if r["batch"] % 2 == 0]
     fitted = fit_step_profile(fit_records, base_kernel=base_kernel, base_link=base_link,
                               name=args.profile_name)
-    result = validate(batches, records, fitted.kernel, fitted.link)
+    result = validate(batches, records, fitted.kernel, fitted.link, args.overlap)
     result.update(
         seconds=time.perf_counter() - start, plan_seconds=plan_seconds, load_start=load_start,
         load_end=os.getloadavg(), records=records, fit=profile_document(fitted),
@@ -450,7 +558,8 @@ def write_outputs(args: argparse.Namespace, r: dict[str, Any], model: ModelSpec)
     out.mkdir(parents=True, exist_ok=True)
     stem = args.stem
     (out / f"{stem}_profile.json").write_text(json.dumps(r["fit"], indent=1) + "\n")
-    doc = {"format": RECORDS_FORMAT, "device": args.device, "model": model.to_dict(),
+    doc = {"format": RECORDS_FORMAT, "device": args.device, "overlap": args.overlap,
+           "model": model.to_dict(),
            "base_kernel": args.base_kernel, "base_link": args.base_link, "records": r["records"],
            "plans": r["plans"], "batches": r["batches"]}
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -467,6 +576,7 @@ def write_outputs(args: argparse.Namespace, r: dict[str, Any], model: ModelSpec)
         "",
         f"Machine: {os.cpu_count()} cores, torch {torch.__version__}; "
         f"{'NCCL, flash-attn, bf16' if args.device == 'cuda' else 'gloo on loopback, PyTorch kernel, float32, 1 thread per rank'}; "
+        f"overlap {'on' if args.overlap else 'off'} (runtime and model); "
         f"model {model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim}. "
         f"{r['num_plans']} plans measured ({len(r['records'])} rank records), {args.repeats} repeats "
         f"each (median); data sets {', '.join(args.datasets)}; N in {list(args.cp_sizes)}; "
@@ -496,7 +606,7 @@ def write_outputs(args: argparse.Namespace, r: dict[str, Any], model: ModelSpec)
         f"{k['call_overhead_us']:.3g} us (RMS residual {fit['kernel']['rms_rel_pct']:.1f}%); copies "
         f"{k['copy_gbps']:.3g} GB/s + {k['op_overhead_us']:.3g} us per op (RMS "
         f"{fit['copy']['rms_rel_pct']:.1f}%); exchange {link['bandwidth_gbps']:.3g} GB/s + "
-        f"{link['latency_us']:.3g} us per collective + {link['per_peer_us']:.3g} us per peer"
+        f"{link['latency_us']:.3g} us per collective or shift + {link['per_peer_us']:.3g} us per peer"
         + (f" (RMS {fit['exchange']['rms_rel_pct']:.1f}%)." if "rms_rel_pct" in fit["exchange"] else "."),
         "",
         "## Held-out batches",
@@ -525,6 +635,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--cpu-smoke", type=Path, metavar="DIR", help="tiny end-to-end run into DIR")
     parser.add_argument("--world-timeout", type=float, default=900.0)
+    parser.add_argument("--overlap", action="store_true",
+                        help="run the runtime and the model with overlap on (CPU time cannot "
+                             "show it; flash-attn on CUDA never overlaps)")
     args = parser.parse_args(argv)
     args.command = " ".join(["python -m bench.model_check", *(argv if argv is not None else sys.argv[1:])])
     args.strategies, args.cp_sizes = STRATEGIES, CP_SIZES

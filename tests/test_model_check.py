@@ -16,18 +16,20 @@ from planner_service.solvers.registry import solve
 
 
 def synthetic_records(kernel, link):
-    """Rank records whose 'measured' times are the model's own terms under the profiles."""
+    """Rank records whose 'measured' times are the model's own terms under the profiles
+    (the exchange measured alone: every transfer in full), on the lean path and the ring."""
     records = []
     for n, lengths in ((2, (3000, 1000, 96)), (3, (2048, 2048, 512, 7)), (4, (9000, 300) * 3)):
         for strategy in ("flashcp", "per_doc", "llama3", "zigzag"):
             plan = solve(PlanRequest(doc_lengths=lengths, cp_size=n, strategy=strategy, kernel="cpu-torch",
                                      link="gloo-local"))
-            for t in plan_rank_terms(plan, kernel, link, comm_mode="full" if strategy == "zigzag" else None):
+            for t in plan_rank_terms(plan, kernel, link):
                 records.append({
                     "fwd_flops": t.fwd_flops, "tiles": t.work.tiles, "row_blocks": t.work.row_blocks,
-                    "segments": t.work.segments, "copy_bytes": t.copy_bytes, "comm_bytes": t.comm_bytes,
-                    "passes": t.passes, "peer_steps": t.peer_steps, "kernel_ms": t.estimate.kernel_ms,
-                    "copy_ms": t.estimate.copy_ms, "exchange_ms": t.estimate.comm_ms,
+                    "segments": t.work.segments, "calls": t.work.calls, "copy_bytes": t.copy_bytes,
+                    "copy_ops": t.copy_ops, "comm_bytes": t.comm_bytes, "passes": t.passes,
+                    "peer_steps": t.peer_steps, "kernel_ms": t.estimate.kernel_ms,
+                    "copy_ms": t.estimate.copy_ms, "exchange_ms": t.transfer_ms,
                 })
     return records
 
@@ -35,7 +37,8 @@ def synthetic_records(kernel, link):
 def test_fit_recovers_the_profile_that_generated_the_times():
     kernel, link = KERNEL_PROFILES["cpu-torch"], LINK_PROFILES["gloo-local"]
     fitted = fit_step_profile(synthetic_records(kernel, link), base_kernel=kernel, base_link=link, name="x")
-    for field in ("fwd_tflops", "bwd_tflops", "copy_gbps", "op_overhead_us", "per_tile_us"):
+    for field in ("fwd_tflops", "bwd_tflops", "copy_gbps", "op_overhead_us", "per_tile_us",
+                  "call_overhead_us"):
         assert getattr(fitted.kernel, field) == pytest.approx(getattr(kernel, field), rel=1e-6), field
     assert fitted.link.bandwidth_gbps == pytest.approx(link.bandwidth_gbps, rel=1e-6)
     assert fitted.link.latency_us + fitted.link.per_peer_us == pytest.approx(link.latency_us, rel=1e-6)

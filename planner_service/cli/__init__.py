@@ -1,8 +1,9 @@
 """The ``planner`` command line (typer + rich): one table of commands.
 
 Commands: ``plan`` and ``compare`` (:mod:`.plan_cmd`), ``serve`` (:mod:`.serve_cmd`),
-``schedule`` and ``fit-profile`` (:mod:`.fcp_cmd`). Errors a user can cause print one
-line and exit 2 (:mod:`.common`); ``planner --debug ...`` shows their traceback.
+``schedule`` and ``fit-profile`` (:mod:`.fcp_cmd`), ``fit-step-profile``
+(:mod:`.step_fit_cmd`). Errors a user can cause print one line and exit 2 (:mod:`.common`);
+``planner --debug ...`` shows their traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from planner_service.cli import fcp_cmd, plan_cmd, serve_cmd
+from planner_service.cli import fcp_cmd, plan_cmd, serve_cmd, step_fit_cmd
 from planner_service.cli.common import DEBUG_KEY, OneLineErrors
 
 app = typer.Typer(
@@ -38,6 +39,7 @@ app.command(name="compare")(plan_cmd.compare_cmd)
 app.command()(serve_cmd.serve)
 app.command()(fcp_cmd.schedule)
 app.command(name="fit-profile")(fcp_cmd.fit_profile_cmd)
+app.command(name="fit-step-profile")(step_fit_cmd.fit_step_profile_cmd)
 
 
 def main() -> None:

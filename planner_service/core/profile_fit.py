@@ -1,25 +1,30 @@
 """Fit the step-time model's coefficients (core/step_time.py) from measured runtime records.
 
+    planner fit-step-profile RECORDS.json --out PROFILE.json [--name NAME]
     python -m planner_service.core.profile_fit RECORDS.json --out PROFILE.json [--name NAME]
 
 A record is one rank of one executed plan (``bench/model_check.py`` writes them, format
-``cp-planner-step-records/v1``): the model's inputs for that rank (``fwd_flops``,
-``tiles``, ``row_blocks``, ``segments``, ``copy_bytes``, ``comm_bytes``, ``passes``,
-``peer_steps``) and the measured
-``kernel_ms``, ``copy_ms`` and ``exchange_ms``. Each term is its own linear fit with
+``cp-planner-step-records/v2``): the model's inputs for that rank (``fwd_flops``,
+``tiles``, ``row_blocks``, ``segments``, ``calls``, ``copy_bytes``, ``copy_ops``,
+``comm_bytes``, ``passes``, ``peer_steps``; ``plan_rank_terms`` gives them) and the
+measured ``kernel_ms`` (the rank's kernel calls alone), ``copy_ms`` and ``exchange_ms``
+(the rank's transfers alone, every one in full). Each term is its own linear fit with
 non-negative coefficients, least squares on relative error (short and long runs weigh
 alike):
 
-- kernel:   ``ms = c fwd_flops + t tiles + q row_blocks + s segments + o`` -> fwd/bwd
+- kernel:   ``ms = c fwd_flops + t tiles + q row_blocks + s segments + o calls`` -> fwd/bwd
   TFLOP/s (the base profile's fwd:bwd ratio kept; one total is measured), per_tile_us,
   per_row_block_us, per_seq_us, call_overhead_us;
-- copies:   ``ms = b copy_bytes + k``                          -> copy_gbps, op_overhead_us;
+- copies:   ``ms = b copy_bytes + k copy_ops``           -> copy_gbps, op_overhead_us;
 - exchange: ``ms = w comm_bytes + l passes + p peer_steps`` -> bandwidth_gbps, latency_us,
   per_peer_us.
 
-Tile sizes and tiling stay the base profile's (they are the kernel's loop structure, not a
-fitted number). ``planner fit-profile`` fits the FCP cost model's terms (fcp/fit.py) from
-the profiler's timings format; this module fits the step-time terms from runs of whole plans.
+The exposed exchange is not fitted: the model computes it from these rates and the
+runtime's structure (what overlap hides). Records of format v1 (one call and the gathered
+path's COPY_OPS per record) are read too. Tile sizes and tiling stay the base profile's
+(they are the kernel's loop structure, not a fitted number). ``planner fit-profile`` fits
+the FCP cost model's terms (fcp/fit.py) from the profiler's timings format; this module
+fits the step-time terms from runs of whole plans.
 """
 
 from __future__ import annotations
@@ -43,10 +48,13 @@ from planner_service.core.profiles import (
 )
 from planner_service.core.step_time import BWD_FLOP_RATIO, COPY_OPS
 
-RECORDS_FORMAT = "cp-planner-step-records/v1"
+RECORDS_FORMAT = "cp-planner-step-records/v2"
+RECORDS_FORMATS = ("cp-planner-step-records/v1", RECORDS_FORMAT)
 PROFILE_FORMAT = "cp-planner-step-profile/v1"
-FEATURES = ("fwd_flops", "tiles", "row_blocks", "segments", "copy_bytes", "comm_bytes", "passes",
-            "peer_steps")
+FEATURES = ("fwd_flops", "tiles", "row_blocks", "segments", "calls", "copy_bytes", "copy_ops",
+            "comm_bytes", "passes", "peer_steps")
+V1_DEFAULTS = {"calls": 1, "copy_ops": COPY_OPS}
+"""What a v1 record (before ``calls`` and ``copy_ops``) stands for: the gathered path."""
 MEASURED = ("kernel_ms", "copy_ms", "exchange_ms")
 FAST = 1e6
 """A rate (GB/s) standing for "too fast to measure" when a fitted slope is zero."""
@@ -60,9 +68,11 @@ class FitResult(NamedTuple):
 
 
 def check_records(records: Any) -> list[dict[str, Any]]:
-    """The records as a list of dicts; ValueError naming the first bad field."""
+    """The records as a list of dicts (v1 records completed with V1_DEFAULTS); ValueError
+    naming the first bad field."""
     if not isinstance(records, list) or not records:
         raise ValueError("records must be a non-empty list")
+    records = [{**V1_DEFAULTS, **rec} if isinstance(rec, dict) else rec for rec in records]
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
             raise ValueError(f"records[{i}] must be an object")
@@ -123,7 +133,7 @@ def fit_step_profile(
         raise ValueError("records need at least 2 measured kernel_ms values to fit the kernel")
     kx = np.column_stack([_column(timed, "fwd_flops"), _column(timed, "tiles"),
                           _column(timed, "row_blocks"), _column(timed, "segments"),
-                          np.ones(len(timed))])
+                          _column(timed, "calls")])
     kc, kres = nnls_relative(kx, _column(timed, "kernel_ms"))
     ratio = base_kernel.fwd_tflops / base_kernel.bwd_tflops
     fwd = 1e-9 * (1 + BWD_FLOP_RATIO * ratio) / kc[0] if kc[0] > 0 else FAST
@@ -134,11 +144,11 @@ def fit_step_profile(
     copied = _measured(records, "copy_ms")
     copy_changes: dict[str, Any] = {}
     if len(copied) >= 2:
-        cx = np.column_stack([_column(copied, "copy_bytes"), np.ones(len(copied))])
+        cx = np.column_stack([_column(copied, "copy_bytes"), _column(copied, "copy_ops")])
         cc, cres = nnls_relative(cx, _column(copied, "copy_ms"))
         copy_changes = {"copy_gbps": 1e-6 / cc[0] if cc[0] > 0 else FAST,
-                        "op_overhead_us": cc[1] * 1e3 / COPY_OPS}
-        report["copy"] = {"ms_per_byte": cc[0], "ms_per_call": cc[1], "rms_rel_pct": cres,
+                        "op_overhead_us": cc[1] * 1e3}
+        report["copy"] = {"ms_per_byte": cc[0], "ms_per_op": cc[1], "rms_rel_pct": cres,
                           "records": len(copied)}
     else:
         report["copy"] = {"kept": base_kernel.name, "records": len(copied)}
@@ -176,16 +186,43 @@ def load_step_profile(path: str | Path) -> tuple[KernelProfile, LinkProfile]:
     """Read a profile JSON this module wrote; ValueError naming the path and field."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        if data.get("format") != PROFILE_FORMAT:
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"format must be {PROFILE_FORMAT!r}")
         return kernel_profile_from_dict(data["kernel"]), link_profile_from_dict(data["link"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"step profile file {path}: {exc}") from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a records JSON (RECORDS_FORMATS), checked; ValueError naming the path
+    and what is wrong (missing, unreadable, not JSON, wrong format, a bad record)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ValueError(f"records file {path}: {reason}") from None
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or doc.get("format") not in RECORDS_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(map(repr, RECORDS_FORMATS))}")
+        return check_records(doc.get("records"))
+    except ValueError as exc:
+        raise ValueError(f"records file {path}: {exc}") from None
+
+
+def fit_file(records: str | Path, out: str | Path, *, name: str | None = None,
+             base_kernel: str = "cpu-torch", base_link: str = "gloo-local") -> FitResult:
+    """Fit the records file ``records`` and write the profile JSON to ``out`` (profile name
+    ``name`` or the out file's stem); ValueError for a bad file, name or fit."""
     from planner_service.core.profiles import get_kernel_profile, get_link_profile
 
+    result = fit_step_profile(load_records(records), base_kernel=get_kernel_profile(base_kernel),
+                              base_link=get_link_profile(base_link), name=name or Path(out).stem)
+    Path(out).write_text(json.dumps(profile_document(result), indent=1) + "\n", encoding="utf-8")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("records", type=Path)
     parser.add_argument("--out", type=Path, required=True)
@@ -194,17 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base-link", default="gloo-local")
     args = parser.parse_args(argv)
     try:
-        doc = json.loads(args.records.read_text(encoding="utf-8"))
-        if not isinstance(doc, dict) or doc.get("format") != RECORDS_FORMAT:
-            raise ValueError(f"records file format must be {RECORDS_FORMAT!r}")
-        result = fit_step_profile(
-            doc.get("records") or [], base_kernel=get_kernel_profile(args.base_kernel),
-            base_link=get_link_profile(args.base_link), name=args.name or args.out.stem,
-        )
+        result = fit_file(args.records, args.out, name=args.name, base_kernel=args.base_kernel,
+                          base_link=args.base_link)
     except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    args.out.write_text(json.dumps(profile_document(result), indent=1) + "\n")
     print(json.dumps(profile_document(result)["fit"], indent=1))
     return 0
 
