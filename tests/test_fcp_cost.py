@@ -41,9 +41,14 @@ def test_group_time_matches_hand_computed_terms():
     p = _toy()
     # S = 100 tokens, W = 10_000 units, d = 2 (one node): attn = 1e-3 * 1e4 / 2 = 5,
     # compute = 5 + 0.5 * 100 / 2 + 2 = 32, wire = 1e6 * 100 * (1/2) / (1.0 * 1e6) = 50,
-    # comm = 53, overlap = min(5, 50) = 5, total = 32 + 53 - 5 = 80.
+    # comm = 53; overlap "none" (flash-attn blocks): nothing hidden, total = 85.
     t = group_time(100, 10_000, 2, p)
-    assert (t.compute_ms, t.comm_ms, t.overlap_ms, t.total_ms) == pytest.approx((32, 53, 5, 80))
+    assert (t.compute_ms, t.comm_ms, t.overlap_ms, t.total_ms) == pytest.approx((32, 53, 0, 85))
+    # The PyTorch kernel's ring: the backward K/V third hides beside the accumulators, the
+    # forward third behind phi x attention of d - 1 of d steps: 50/3 + min(50/3, 0.25 * 5 / 2).
+    ring = group_time(100, 10_000, 2, _toy(overlap="ring", forward_share=0.25))
+    assert ring.overlap_ms == pytest.approx(50 / 3 + 0.625)
+    assert ring.total_ms == pytest.approx(85 - 50 / 3 - 0.625)
     # d = 1: no comm at all.
     assert group_time(100, 10_000, 1, p).total_ms == pytest.approx(10 + 50 + 2)
     # d = 8 > ranks_per_node: inter-node bandwidth 0.5 GB/s doubles the wire time.
@@ -51,14 +56,33 @@ def test_group_time_matches_hand_computed_terms():
     assert t8.comm_ms == pytest.approx(1e6 * 100 * 7 / 8 / 0.5e6 + 3)
 
 
-def test_attention_hides_the_exchange_when_it_is_longer():
-    p = _toy(alpha3=1.0)  # tiny wire time: fully overlapped by attention
+def test_the_ring_hides_at_most_two_thirds_of_the_wire():
+    p = _toy(alpha3=1.0, overlap="ring", forward_share=0.5)  # tiny wire: attention covers it
     t = group_time(100, 10_000, 2, p)
-    assert t.total_ms == pytest.approx(t.compute_ms + p.beta2)
+    wire = 100 * 0.5 / 1e6
+    assert t.overlap_ms == pytest.approx(2 * wire / 3)
+    assert t.total_ms == pytest.approx(t.compute_ms + p.beta2 + wire / 3)
 
 
-def test_time_table_equals_the_scalar_reference_and_enforces_memory():
-    p = PROFILES["h100-llama3-8b"]
+def test_overlap_follows_the_runtime_kernel():
+    # flash-attn (the H100 profiles) runs a blocking exchange; the PyTorch kernel a ring.
+    assert {n: p.overlap for n, p in PROFILES.items()} == {
+        "h100-llama3-8b": "none", "h100-llama3-8b-fa2": "none", "h100-llama3-8b-ib": "none",
+        "cpu-gloo": "ring"}
+    assert 0 < PROFILES["cpu-gloo"].forward_share < 1
+    with pytest.raises(ValueError, match="profile.overlap"):
+        _toy(overlap="full")
+    with pytest.raises(ValueError, match="profile.forward_share"):
+        _toy(forward_share=1.5)
+    # A profile written without the fields reads as nothing hidden.
+    data = {k: v for k, v in PROFILES["cpu-gloo"].to_dict().items()
+            if k not in ("overlap", "forward_share")}
+    assert FcpProfile.from_dict(data).overlap == "none"
+
+
+@pytest.mark.parametrize("name", ["h100-llama3-8b", "cpu-gloo"])
+def test_time_table_equals_the_scalar_reference_and_enforces_memory(name):
+    p = PROFILES[name]
     rng = np.random.default_rng(0)
     tokens = rng.integers(1000, 200_000, size=6)
     units = tokens.astype(float) ** 2 * rng.uniform(0.1, 1.0, size=6)

@@ -15,7 +15,7 @@ from planner_service.core.request import debug_request
 from planner_service.data import make_source, sample_batch
 from planner_service.fcp import plan_global_batch
 from planner_service.fcp.compare import compare_with_baselines
-from planner_service.fcp.cost_model import PROFILES
+from planner_service.fcp.cost_model import DEFAULT_PROFILE, PROFILES
 from planner_service.fcp.portfolio import solve_split
 from planner_service.fcp.schedule import sequence_stats, split_micro_batches
 from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
@@ -196,14 +196,16 @@ def test_degrees_survive_20_percent_coefficient_noise(search):
 
 
 def test_plan_global_batch_with_a_fixed_count_is_the_held_split_rule():
-    """What the noise bench measures (solve_split on a held split) is what users get."""
+    """What the noise bench measures (solve_split on a held split) is what users get (with
+    the default profile, the runtime kernel's)."""
+    profile = PROFILES[DEFAULT_PROFILE]
     seqs = sample_batch(make_source("code"), num_sequences=128, max_tokens=131072, seed=5)
-    stats = sequence_stats(seqs, (), PROFILE)
+    stats = sequence_stats(seqs, (), profile)
     count = -(-int(stats.tokens.sum()) // (16 * 32768)) + 1
-    split = split_micro_batches(stats, count, 16 * 32768, PROFILE)
+    split = split_micro_batches(stats, count, 16 * 32768, profile)
     found = plan_global_batch(seqs, num_ranks=16, memory_tokens=32768, micro_batches=count)
     assert list(found.micro_batches) == [tuple(mb) for mb in split]
-    assert list(found.groupings) == solve_split(stats, split, 16, 32768, PROFILE)
+    assert list(found.groupings) == solve_split(stats, split, 16, 32768, profile)
 
 
 def test_registry_strategy_fcp_plans_one_packed_sequence():

@@ -10,14 +10,22 @@ the per-layer forward+backward time of one rank of the group is::
     memory  M(G)   = S / d                    tokens per rank, must be <= E      (eq. 7)
     compute T_cp   = (alpha1 W + alpha2 S) / d + beta1                         (eq. 8)
     comm    T_cm   = alpha3 S (d - 1) / d / v(d) + beta2      (0 when d = 1)     (eq. 9)
-    total   T      = T_cp + T_cm - min(T_cpa, T_cma)                            (eq. 10)
+    total   T      = T_cp + T_cm - H                                           (eq. 10)
 
-with ``T_cpa = alpha1 W / d`` the attention compute and ``T_cma`` the bandwidth part of
-``T_cm``: ring attention overlaps the KV exchange with attention (eq. 10), so only the
-longer of the two counts. ``S (d - 1) / d`` is what a rank of a ring receives (every other
-rank's chunk); the paper writes ``|s_k|``, which is the same up to that factor.
-``v(d)`` is the group's P2P bandwidth (the paper's ``v_p``): intra-node when the group
-fits in one node, inter-node otherwise (groups are placed node-aligned when they fit).
+``S (d - 1) / d`` is what a rank of a ring receives (every other rank's chunk); the paper
+writes ``|s_k|``, which is the same up to that factor. ``v(d)`` is the group's P2P
+bandwidth (the paper's ``v_p``): intra-node when the group fits in one node, inter-node
+otherwise (groups are placed node-aligned when they fit).
+
+``H``, the hidden part of the exchange, follows what the worker runtime can hide
+(core/step_time.py), not the paper's ``min(T_cpa, T_cma)``: with ``overlap = "none"``
+(flash-attn, the GPU runtime's kernel: blocking exchange) ``H = 0``; with ``"ring"`` (the
+PyTorch kernel's ring) the bandwidth part ``T_cma`` is three equal transfers (forward K/V,
+backward K/V, backward dK/dV: ``alpha3 = 3`` K/V bytes per token): the backward K/V
+travels beside the dK/dV accumulators (hidden), the accumulators are exposed (each step's
+call waits for the previous one's), and the forward K/V hides behind the forward
+attention of all but the last step: ``H = T_cma / 3 + min(T_cma / 3, phi T_cpa (d - 1) / d)``
+with ``T_cpa = alpha1 W / d`` and ``phi`` the forward share of a call (``forward_share``).
 
 All times are milliseconds per transformer layer, forward plus backward; a whole step is
 this times the layer count, which changes no decision.
@@ -38,12 +46,18 @@ from planner_service.core.model import ModelSpec
 from planner_service.core.profiles import (
     KernelProfile,
     LinkProfile,
+    default_kernel_name,
     get_kernel_profile,
     get_link_profile,
 )
-from planner_service.core.step_time import BWD_FLOP_RATIO
+from planner_service.core.step_time import BWD_FLOP_RATIO, execution_path, forward_share
 
 PROFILE_FORMAT = "cp-planner-fcp-profile/v1"
+OVERLAPS = ("none", "ring")
+"""What the runtime hides of a group's exchange (module docstring)."""
+OPTIONAL = {"overlap": "none", "forward_share": 0.0}
+"""Fields a profile dict may leave out, with their defaults (profiles written before them:
+nothing hidden, as on the GPU runtime)."""
 T = TypeVar("T")
 
 
@@ -75,6 +89,10 @@ class FcpProfile:
     """ms fixed per ring exchange (link latency), only for degree > 1."""
     source: str
     """Where the numbers come from (derivation or fit)."""
+    overlap: str = "none"
+    """What the runtime hides of the exchange: ``none`` (flash-attn) or ``ring`` (OVERLAPS)."""
+    forward_share: float = 0.0
+    """The forward pass's share of attention time (``ring`` only; step_time.forward_share)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -83,6 +101,11 @@ class FcpProfile:
                 if not isinstance(value, str):
                     raise ValueError(f"profile.{f.name} must be a string, got {value!r}")
                 continue
+            if f.name == "overlap":
+                if value not in OVERLAPS:
+                    raise ValueError(f"profile.overlap must be one of {', '.join(OVERLAPS)}, "
+                                     f"got {value!r}")
+                continue
             if f.name == "ranks_per_node":
                 if type(value) is not int or not 1 <= value <= 1 << 20:
                     raise ValueError(f"profile.ranks_per_node must be an integer >= 1, got {value!r}")
@@ -90,8 +113,9 @@ class FcpProfile:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"profile.{f.name} must be a number, got {value!r}")
             positive = f.name in ("bandwidth_gbps", "inter_node_bandwidth_gbps")
-            if not math.isfinite(value) or value < 0 or (positive and value == 0):
-                need = "> 0" if positive else ">= 0"
+            if not math.isfinite(value) or value < 0 or (positive and value == 0) or (
+                    f.name == "forward_share" and value > 1):
+                need = "> 0" if positive else "in [0, 1]" if f.name == "forward_share" else ">= 0"
                 raise ValueError(f"profile.{f.name} must be finite and {need}, got {value!r}")
             object.__setattr__(self, f.name, float(value))
 
@@ -113,10 +137,10 @@ class FcpProfile:
         unknown = set(data) - names - {"format", "fit"}
         if unknown:
             raise ValueError(f"profile has unknown fields {sorted(unknown)}")
-        missing = names - set(data)
+        missing = names - set(data) - set(OPTIONAL)
         if missing:
             raise ValueError(f"profile is missing fields {sorted(missing)}")
-        return cls(**{k: data[k] for k in names})
+        return cls(**{k: data[k] for k in names if k in data})
 
 
 def derive_profile(
@@ -132,6 +156,8 @@ def derive_profile(
     ModelSpec.linear_flops_per_token) at the dense GEMM rate. beta1: one kernel launch
     sequence. alpha3: ring attention moves each remote KV block once forward and KV plus
     dKV backward, 3 x the KV bytes of a token. beta2: one link latency per pass (fwd, bwd).
+    overlap: what the runtime hides with this kernel (``ring`` for the PyTorch kernel, whose
+    ``p2p_ring`` runs as a ring; ``none`` for flash-attn, whose exchange blocks).
     """
     pair_flops = 4.0 * model.num_heads * model.head_dim
     per_flop_s = 1.0 / (kernel.fwd_tflops * 1e12) + BWD_FLOP_RATIO / (kernel.bwd_tflops * 1e12)
@@ -146,6 +172,8 @@ def derive_profile(
         inter_node_bandwidth_gbps=inter_link.bandwidth_gbps,
         ranks_per_node=ranks_per_node,
         beta2=2.0 * link.latency_us * 1e-3,
+        overlap="ring" if execution_path(kernel, "p2p_ring") == "ring" else "none",
+        forward_share=forward_share(kernel),
         source=(
             f"derived (fcp/cost_model.py derive_profile) from kernel {kernel.name} ({kernel.source}), "
             f"link {link.name} ({link.source}), inter-node {inter_link.name}, model {model.to_dict()}"
@@ -158,12 +186,13 @@ DEBUG_MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=12
 
 PROFILES: dict[str, FcpProfile] = {
     # Llama-3-8B on H100 SXM with FlashAttention-3; 8 replicas per node on NVLink, NDR
-    # InfiniBand across nodes. The default.
+    # InfiniBand across nodes. The default where flash-attn 3 is installed (KERNEL_DEFAULTS).
     "h100-llama3-8b": derive_profile(
         "h100-llama3-8b", kernel=get_kernel_profile("h100-fa3"), link=get_link_profile("nvlink"),
         inter_link=get_link_profile("infiniband"), model=ModelSpec(), ranks_per_node=8,
     ),
-    # Same with FlashAttention-2 kernels (about half the attention throughput).
+    # Same with FlashAttention-2 kernels (about half the attention throughput): the default
+    # of the runtime's pinned flash-attn 2.
     "h100-llama3-8b-fa2": derive_profile(
         "h100-llama3-8b-fa2", kernel=get_kernel_profile("h100-fa2"), link=get_link_profile("nvlink"),
         inter_link=get_link_profile("infiniband"), model=ModelSpec(), ranks_per_node=8,
@@ -179,7 +208,18 @@ PROFILES: dict[str, FcpProfile] = {
         inter_link=get_link_profile("gloo-local"), model=DEBUG_MODEL, ranks_per_node=1 << 20,
     ),
 }
-DEFAULT_PROFILE = "h100-llama3-8b"
+KERNEL_DEFAULTS = {"h100-fa3": "h100-llama3-8b", "h100-fa2": "h100-llama3-8b-fa2",
+                   "cpu-torch": "cpu-gloo"}
+"""The FCP profile derived from each kernel profile (the default follows the kernel)."""
+
+
+def default_profile_name() -> str:
+    """The FCP profile of the runtime's kernel (core.profiles.default_kernel_name)."""
+    return KERNEL_DEFAULTS.get(default_kernel_name(), "h100-llama3-8b")
+
+
+DEFAULT_PROFILE = default_profile_name()
+"""Resolved once at import (parameter defaults across fcp, solvers and cli use it)."""
 
 
 def read_json_file(path: str | Path, what: str, parse: Callable[[Any], T]) -> T:
@@ -253,7 +293,16 @@ class GroupTime(NamedTuple):
     compute_ms: float
     comm_ms: float
     overlap_ms: float
+    """H: the part of the exchange the runtime hides (module docstring)."""
     total_ms: float
+
+
+def hidden_ms(attn: Any, wire: Any, degree: Any, profile: FcpProfile) -> Any:
+    """H for attention ``attn`` (alpha1 W / d) and bandwidth time ``wire`` (arrays allowed)."""
+    if profile.overlap == "none":
+        return 0.0 * wire
+    third = wire / 3.0
+    return third + np.minimum(third, profile.forward_share * attn * (degree - 1) / degree)
 
 
 def group_time(tokens: float, units: float, degree: int, profile: FcpProfile) -> GroupTime:
@@ -264,7 +313,7 @@ def group_time(tokens: float, units: float, degree: int, profile: FcpProfile) ->
         return GroupTime(compute, 0.0, 0.0, compute)
     wire = profile.alpha3 * tokens * (degree - 1) / degree / (profile.bandwidth_for(degree) * 1e6)
     comm = wire + profile.beta2
-    overlap = min(attn, wire)
+    overlap = float(hidden_ms(attn, wire, degree, profile))
     return GroupTime(compute, comm, overlap, compute + comm - overlap)
 
 
@@ -285,7 +334,7 @@ def time_table(
                       profile.inter_node_bandwidth_gbps) * 1e6
         wire = profile.alpha3 * tokens * (d - 1) / d / bw
         total = np.where(
-            d > 1, compute + wire + profile.beta2 - np.minimum(attn, wire), compute
+            d > 1, compute + wire + profile.beta2 - hidden_ms(attn, wire, d, profile), compute
         )
         total = np.where(tokens <= d * memory_tokens, total, np.inf)
     total[:, 0] = np.inf
