@@ -10,11 +10,12 @@ over Ring-Attn, 2.14x over Ring-Attn (Zigzag).
 
 Here: WLB-LLM (``wlbllm``) and Pile-like (``family:pile``) sequences, each strategy planned
 by this planner and estimated with core/step_time.py under ``h100-fa2`` and ``h100-fa3``
-with ``nvlink``, as the worker runtime executes the plan (its own exchange: flashcp
-all-to-all-v, per_doc and llama3 full all-gather, ring and zigzag as the full all-gather
-the runtime runs for ``p2p_ring``; nothing overlapped). The time compared is the attention
-layer (kernel + copies + exchange, forward + backward), the part CP changes; the linear
-layers are the same for every strategy. No coefficient is tuned to the paper.
+with ``nvlink``, as the worker runtime executes the plan with flash-attn (the step-time
+model's ``gathered`` path: its own exchange, flashcp all-to-all-v, per_doc and llama3 full
+all-gather, ring and zigzag as the full all-gather the flash path runs for ``p2p_ring``;
+the flash path overlaps nothing, unlike the runtime's PyTorch-kernel path). The time
+compared is the attention layer (kernel + copies + exchange, forward + backward), the part
+CP changes; the linear layers are the same for every strategy. No coefficient is tuned to the paper.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def main() -> None:
         f"Command: `.venv/bin/python -m bench.paper_compare --sequences {args.sequences}`",
         "",
         f"{args.sequences} packed 128K sequences per data set (seed 0); every prediction from "
-        "core/step_time.py, each plan run as the worker runtime runs it (nothing overlapped; "
-        "ring and zigzag as the full all-gather). Paper figures: FlashCP arXiv:2606.08476, "
+        "core/step_time.py, each plan run as the worker runtime runs it with flash-attn (nothing "
+        "overlapped; ring and zigzag as the full all-gather). Paper figures: FlashCP arXiv:2606.08476, "
         "section A4, averages over WLB-LLM, Pile and RedPajama, CP 4 and 8, 16 and 32 heads "
         "(8 x H100 SXM, NVLink). Predictions average over the cells below (WLB-LLM and "
         f"Pile-like only). Load average {load:.1f} (irrelevant: nothing here is timed).",
@@ -141,8 +142,9 @@ EXPLANATIONS = [
     "full but charges per_doc's fine shards only tile quantisation, so the per-segment "
     "inefficiency the paper describes for Per-Doc CP (occupancy of short segments) is the "
     "term the model most likely lacks.",
-    "- **ring**: the model runs ring as this runtime does (the full all-gather, exposed, then "
-    "one kernel); the paper's Ring-Attn overlaps each P2P step with compute (hides the "
+    "- **ring**: the model runs ring as this runtime's flash-attn path does (the full "
+    "all-gather, exposed, then one kernel; its ring execution with overlap is on the PyTorch "
+    "kernel only); the paper's Ring-Attn overlaps each P2P step with compute (hides the "
     "exchange: 0.2x to 0.5x of the predicted ratio) but runs N kernel calls on fragments and "
     "merges partial outputs, neither of which this runtime does or the model charges.",
     "- **zigzag**: here the zigzag plan (per-doc zigzag chunks) runs exactly like per_doc "
