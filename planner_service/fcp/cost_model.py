@@ -214,8 +214,14 @@ KERNEL_DEFAULTS = {"h100-fa3": "h100-llama3-8b", "h100-fa2": "h100-llama3-8b-fa2
 
 
 def default_profile_name() -> str:
-    """The FCP profile of the runtime's kernel (core.profiles.default_kernel_name)."""
-    return KERNEL_DEFAULTS.get(default_kernel_name(), "h100-llama3-8b")
+    """The FCP profile of the runtime's kernel (core.profiles.default_kernel_name); an
+    unknown PLANNER_KERNEL_PROFILE gives the flash-attn 2 profile here (this runs at import)
+    and fails every request that relies on it, naming the variable."""
+    try:
+        kernel = default_kernel_name()
+    except ValueError:
+        kernel = "h100-fa2"
+    return KERNEL_DEFAULTS.get(kernel, "h100-llama3-8b")
 
 
 DEFAULT_PROFILE = default_profile_name()
