@@ -34,9 +34,11 @@ CONTRACT = frozenset({
     "planner_service.core.plan",
     "planner_service.core.model",
     "planner_service.core.cost",
+    "planner_service.core.errors",
 })
 """What ``worker_runtime`` may import from ``planner_service``: the plan, the model shape
-it carries and the exchange volumes of its shards (``core.cost``)."""
+it carries, the exchange volumes of its shards (``core.cost``) and the error the model
+shape's checks raise (``core.errors``)."""
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:

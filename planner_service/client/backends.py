@@ -169,18 +169,22 @@ class EmbeddedBackend:
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
                 timeout_s: float) -> Comparison:
-        from planner_service.solvers.registry import STRATEGIES, strategy_names
+        from planner_service.core.errors import FieldError
+        from planner_service.solvers.registry import compared_options, strategy_names
 
+        names = list(strategies) if strategies is not None else strategy_names()
+        options = request.get("options", {})
+        try:
+            if not isinstance(options, dict):
+                raise FieldError("options", f"options must be a JSON object, got {options!r}")
+            shares = compared_options(names, options)
+        except FieldError as exc:
+            raise ServiceError("422", str(exc), field=exc.field) from None
         results, errors = [], {}
-        for name in strategies if strategies is not None else strategy_names():
-            if name not in STRATEGIES:
-                raise ServiceError("422", f"strategies: strategy {name!r} is unknown",
-                                   field="strategies")
-            options = {k: v for k, v in request.get("options", {}).items()
-                       if k in STRATEGIES[name].options}
+        for name, share in shares.items():
             try:
                 results.append((name, self.plan({**request, "strategy": name,
-                                                 "options": options}, timeout_s)))
+                                                 "options": share}, timeout_s)))
             except ServiceError as exc:
                 errors[name] = exc.message
         return Comparison(results, errors)

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from planner_service.client.base import Comparison, ServiceError, ServiceResult
+from planner_service.core.errors import FieldError
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
 
@@ -93,7 +94,8 @@ class GrpcBackend:
         try:
             return dict_to_request(self._pb2, request)
         except (TypeError, ValueError) as exc:
-            raise ServiceError("INVALID_ARGUMENT", str(exc)) from None
+            raise ServiceError("INVALID_ARGUMENT", str(exc),
+                               field=exc.field if isinstance(exc, FieldError) else None) from None
 
     def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
              ) -> ServiceResult:
