@@ -2,9 +2,9 @@
 
 Layers of ``planner_service``, lowest first: ``core`` (the plan contract, cost model and
 validation); then ``data``, ``solvers``, ``fcp`` (and ``proto_build``); then the edges
-``service``, ``client``, ``cli`` (and ``compare``, ``plot``). ``fcp`` is FCP's algorithm
-alone and imports only the core (the code that builds plans with other strategies lives in
-``solvers``). ``worker_runtime`` imports only the plan contract from ``planner_service``.
+``service``, ``client``, ``cli`` (and ``strategy_summary``, ``plot``). ``fcp`` is FCP's
+algorithm alone and imports only the core (the code that builds plans with other strategies
+lives in ``solvers``). ``worker_runtime`` imports only the plan contract from ``planner_service``.
 And the install: the service (``make run``) needs neither torch nor matplotlib.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner_service", "worker_runtime")
 
 LAYERS = (
-    grimp.Layer("cli", "service", "client", "compare", "plot", independent=False),
+    grimp.Layer("cli", "service", "client", "strategy_summary", "plot", independent=False),
     grimp.Layer("solvers", "fcp", "data", "proto_build", independent=False),
     grimp.Layer("core"),
 )

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from planner_service.client.base import Backend, Comparison, ServiceError, ServiceResult
+from planner_service.client.base import Backend, ServiceComparison, ServiceError, ServiceResult
 
 USER_AGENT = "cp-planner-client/1"
 
@@ -84,7 +84,7 @@ class HttpBackend:
         return _http_result(r)
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
-                timeout_s: float) -> Comparison:
+                timeout_s: float) -> ServiceComparison:
         body = {k: v for k, v in request.items() if k != "strategy"}
         if strategies is not None:
             body["strategies"] = list(strategies)
@@ -95,7 +95,7 @@ class HttpBackend:
         results = [(e["strategy"], ServiceResult(canonical_json(e["plan"]), e["plan"]["plan_id"],
                                                  float(e["solve_ms"]), bool(e["cached"])))
                    for e in data["results"]]
-        return Comparison(results, dict(data["errors"]))
+        return ServiceComparison(results, dict(data["errors"]))
 
     def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
                fallbacks: int = 0) -> None:
@@ -168,7 +168,7 @@ class EmbeddedBackend:
         return ServiceResult(solved.plan.to_json(), solved.plan.plan_id, solved.solve_ms, False)
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
-                timeout_s: float) -> Comparison:
+                timeout_s: float) -> ServiceComparison:
         from planner_service.core.errors import FieldError
         from planner_service.solvers.registry import compared_options, strategy_names
 
@@ -187,7 +187,7 @@ class EmbeddedBackend:
                                                  "options": share}, timeout_s)))
             except ServiceError as exc:
                 errors[name] = exc.message
-        return Comparison(results, errors)
+        return ServiceComparison(results, errors)
 
     def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
                fallbacks: int = 0) -> None:
@@ -207,7 +207,7 @@ class EmbeddedBackend:
             self._jobs.clear()
 
 
-__all__ = ["Backend", "Comparison", "EmbeddedBackend", "HttpBackend", "ServiceError",
+__all__ = ["Backend", "EmbeddedBackend", "HttpBackend", "ServiceComparison", "ServiceError",
            "ServiceResult", "make_backend"]
 
 

@@ -29,11 +29,12 @@ from typing import NamedTuple
 import numpy as np
 
 from planner_service.core.errors import FieldError
-from planner_service.fcp.baselines import SeqStats, serial_cost, static_groupings
 from planner_service.fcp.bfd import bfd_bins, bfd_headroom, merge_for_memory, pack_balanced
 from planner_service.fcp.cost_model import FcpProfile, time_table
 from planner_service.fcp.dp import Degrees, dp_degrees, fill_spare_ranks, threshold_degrees
 from planner_service.fcp.headroom import fill_time_headroom
+from planner_service.fcp.reference_schedules import static_groupings
+from planner_service.fcp.seq_stats import SeqStats, serial_cost
 
 SEARCHES = ("portfolio", "paper")
 METHODS = ("dp", "threshold")
@@ -144,7 +145,7 @@ def static_family(
     stats: SeqStats, items: Sequence[int], num_ranks: int, memory_tokens: int,
     profile: FcpProfile,
 ) -> list[tuple[str, list[list[int]]]]:
-    """The groupings a static CP degree c would run (``baselines.static_groupings``, the
+    """The groupings a static CP degree c would run (``reference_schedules.static_groupings``, the
     very function the static baseline uses) for every power of two c < N that fits them
     in one wave, plus one group of all N ranks."""
     out = [("one-group", [sorted(items)])]

@@ -47,7 +47,7 @@ MAX_REPORTED_FALLBACKS = 1
 a client cannot inflate the counter (and fire alerts) faster than it sends requests."""
 
 
-class Comparison(NamedTuple):
+class StrategyComparison(NamedTuple):
     results: list[SolveResult]
     """One per strategy that gave a plan, in the order asked for."""
     errors: dict[str, str]
@@ -112,7 +112,7 @@ class PlannerService:
         return await self.executor.solve(request, key, timeout_s)
 
     async def compare(self, body: CompareRequestIn, timeout_s: float | None = None
-                      ) -> Comparison:
+                      ) -> StrategyComparison:
         """Plan the same input with several strategies concurrently.
 
         Each strategy gets the options it declares (registry.compared_options); an option
@@ -145,7 +145,7 @@ class PlannerService:
                 errors[name] = str(outcome)
             else:
                 raise outcome
-        return Comparison(results, errors)
+        return StrategyComparison(results, errors)
 
     async def schedule(self, body: ScheduleRequestIn, timeout_s: float | None = None
                        ) -> tuple[str, float]:
@@ -217,7 +217,7 @@ class PlannerService:
                 min(count, MAX_REPORTED_FALLBACKS))
 
 
-__all__ = ["Comparison", "DeadlineExceeded", "Overloaded",
+__all__ = ["DeadlineExceeded", "Overloaded", "StrategyComparison",
            "PlannerService", "SolveResult"]
 
 

@@ -27,7 +27,7 @@ from planner_service.core.request import (
 from planner_service.core.validate import validate_plan
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, FcpProfile, get_profile
 from planner_service.fcp.grouping import check_options
-from planner_service.fcp.layout import place_groups
+from planner_service.fcp.placement import place_groups
 from planner_service.fcp.requests import (
     FcpResult,
     MicroBatchSchedule,

@@ -27,7 +27,7 @@ from planner_service.core.plan import Shard
 from planner_service.core.request import MAX_TOKENS, PlanRequest, check_int
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, get_profile
 from planner_service.fcp.grouping import check_options, memory_error
-from planner_service.fcp.layout import place_groups
+from planner_service.fcp.placement import place_groups
 from planner_service.fcp.schedule import plan_global_batch
 
 OPTIONS = {
