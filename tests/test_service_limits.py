@@ -1,4 +1,4 @@
-"""Service safety parts without a server (issue 29): the solver pool's deadlines and
+"""Service safety parts without a server: the solver pool's deadlines and
 readiness, byte-bounded cache, per-client job bound, JSON depth, auth and content type
 parsing, profile resolution."""
 

@@ -115,7 +115,7 @@ class ModelSpecIn(BaseModel):
 
 
 class PlanRequestIn(BaseModel):
-    """One packed sequence to shard over ``cp_size`` ranks (DESIGN.md section 5)."""
+    """One packed sequence to shard over ``cp_size`` ranks (docs/plan.md, Requests)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"doc_lengths": [4099, 37, 1023, 8191, 1, 511, 2047, 3001, 17, 6143, 733, 97, 5000],
