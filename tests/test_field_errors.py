@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from planner_service.cli import app as cli_app
 from planner_service.client.backends import EmbeddedBackend, ServiceError, make_backend
+from planner_service.client.global_batch import solve_local
 from planner_service.core.errors import FieldError
 from planner_service.core.model import ModelSpec
 from planner_service.core.request import PlanRequest
@@ -169,3 +170,26 @@ def test_the_cli_names_the_flag_that_sets_the_field(args, flag):
     result = CliRunner().invoke(cli_app, args)
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().endswith(f"; change {flag}"), result.stderr
+
+
+SCHEDULE = {"sequences": [[3000, 500], [4096]], "num_ranks": 4, "memory_tokens": 2048}
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"search": "all"}, "search"),
+    ({"method": "guess"}, "method"),
+    ({"strategy": "fcp"}, "strategy"),
+    ({"full_attention": [True, "no"]}, "full_attention.1"),
+    ({"micro_batches": 3}, "micro_batches"),
+    ({"memory_tokens": 64}, "memory_tokens"),
+    ({"model": {"num_heads": 3}}, "model.num_kv_heads"),
+    ({"surprise": 1}, "surprise"),
+])
+def test_a_schedule_request_names_the_field_in_the_service_and_the_local_scheduler(
+        http, changes, field):
+    body = {**SCHEDULE, **changes}
+    r = http.post("/v1/schedule", json=body)
+    assert r.status_code == 422 and r.json()["field"] == field, r.text
+    with pytest.raises(ServiceError) as info:
+        solve_local(body)
+    assert info.value.field == field and info.value.message == r.json()["detail"]

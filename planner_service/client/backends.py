@@ -67,7 +67,7 @@ class HttpBackend:
         except httpx.HTTPError as exc:
             raise ServiceError("unavailable", f"{type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400:
-            raise _http_error(response)
+            raise http_error(response)
         return response
 
     def warm(self) -> None:
@@ -131,7 +131,9 @@ def _http_result(r: httpx.Response) -> ServiceResult:
                          r.headers.get("x-cache") == "hit")
 
 
-def _http_error(r: httpx.Response) -> ServiceError:
+def http_error(r: httpx.Response) -> ServiceError:
+    """The ServiceError of an HTTP error answer: its status, ``detail``, ``field`` and
+    ``Retry-After``."""
     try:
         data = r.json()
         message, field = str(data.get("detail")), data.get("field")

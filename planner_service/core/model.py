@@ -7,6 +7,10 @@ from typing import Any
 
 from planner_service.core.errors import FieldError
 
+MAX_DIM = 1 << 20
+"""Largest head count, head dimension or layer width a ModelSpec accepts."""
+DTYPE_BYTES = (1, 2, 4, 8)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
@@ -32,12 +36,12 @@ class ModelSpec:
         """Raises FieldError (``model.<name>``) for a value out of range."""
         for name in ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "ffn_hidden_size"):
             value = getattr(self, name)
-            if type(value) is not int or not 1 <= value <= 1 << 20:
+            if type(value) is not int or not 1 <= value <= MAX_DIM:
                 raise FieldError(f"model.{name}", f"model.{name} must be an integer in "
-                                 f"[1, 1048576], got {value!r}")
-        if type(self.dtype_bytes) is not int or self.dtype_bytes not in (1, 2, 4, 8):
-            raise FieldError("model.dtype_bytes", f"model.dtype_bytes must be one of 1, 2, 4, 8, "
-                             f"got {self.dtype_bytes!r}")
+                                 f"[1, {MAX_DIM}], got {value!r}")
+        if type(self.dtype_bytes) is not int or self.dtype_bytes not in DTYPE_BYTES:
+            raise FieldError("model.dtype_bytes", f"model.dtype_bytes must be one of "
+                             f"{', '.join(map(str, DTYPE_BYTES))}, got {self.dtype_bytes!r}")
         if self.num_heads % self.num_kv_heads:
             raise FieldError("model.num_kv_heads", f"model.num_kv_heads ({self.num_kv_heads}) "
                              f"must divide model.num_heads ({self.num_heads})")

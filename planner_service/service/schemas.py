@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from planner_service.core.errors import FieldError
-from planner_service.core.model import ModelSpec
+from planner_service.core.model import DTYPE_BYTES, MAX_DIM, ModelSpec
 from planner_service.core.plan import canonical_json
 from planner_service.core.request import (
     COMM_MODES,
@@ -106,12 +106,12 @@ class ModelSpecIn(BaseModel):
     """Transformer layer shape; unset fields take the Llama-3-8B defaults."""
 
     model_config = ConfigDict(extra="forbid")
-    num_heads: StrictInt | None = Field(None, ge=1, le=1 << 20)
-    num_kv_heads: StrictInt | None = Field(None, ge=1, le=1 << 20)
-    head_dim: StrictInt | None = Field(None, ge=1, le=1 << 20)
-    dtype_bytes: StrictInt | None = Field(None, ge=1, le=8)
-    hidden_size: StrictInt | None = Field(None, ge=1, le=1 << 20)
-    ffn_hidden_size: StrictInt | None = Field(None, ge=1, le=1 << 20)
+    num_heads: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
+    num_kv_heads: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
+    head_dim: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
+    dtype_bytes: StrictInt | None = Field(None, ge=1, le=max(DTYPE_BYTES))
+    hidden_size: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
+    ffn_hidden_size: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
 
 
 class PlanRequestIn(BaseModel):
