@@ -18,12 +18,12 @@ import platform
 import time
 from pathlib import Path
 
-from planner_service.compare import StrategySummary, compare
 from planner_service.core.request import PlanRequest
 from planner_service.data import make_source, pack_sequences
+from planner_service.strategy_summary import StrategySummary, summarize_strategies
 
 STRATEGIES = ("llama3", "per_doc", "ring", "zigzag", "flashcp")
-# The core issue's targets for flashcp at R = 1.05, checked and printed as PASS/FAIL.
+# flashcp's quality targets at R = 1.05, checked and printed as PASS/FAIL.
 TARGETS = {
     ("wlbllm", 4): dict(
         imbalance_mean=1.02, imbalance_p99=1.05, saving_alltoallv=0.80, saving_allgather=0.75
@@ -84,7 +84,7 @@ def main() -> None:
             base = PlanRequest(
                 doc_lengths=tuple(sequences[0]), cp_size=n, context_length=args.context
             )
-            summaries = compare(STRATEGIES, sequences, base)
+            summaries = summarize_strategies(STRATEGIES, sequences, base)
             lines += [
                 f"## {dataset}, N = {n}, {len(sequences)} packed {args.context}-token sequences",
                 "",

@@ -1,4 +1,4 @@
-"""FCP against the baselines, solver latency, noise robustness and profile fitting.
+"""FCP against the reference schedules, solver latency, noise robustness and profile fitting.
 
     python -m bench.fcp_bench                       # everything, writes bench/results/fcp_bench.md
     python -m bench.fcp_bench --batches 1 --repeats 5 --no-cpu-fit   # a quick look
@@ -8,7 +8,7 @@
    32, 64, E tokens per rank: FCP (default portfolio search and the paper's BFD-only
    search) vs the best static power-of-two degree vs the power-of-two greedy, all on the
    FCP cost model (profile h100-llama3-8b) and the same micro-batch splits
-   (planner_service/fcp/compare.py).
+   (planner_service/fcp/reference_comparison.py).
 2. Solver latency of ``plan_global_batch`` (split, stage 1, stage 2, DP) on those
    batches: median and p99 wall time, and the median CPU time of the thread (less
    sensitive to other processes on this shared machine); plus one micro-batch holding
@@ -37,11 +37,11 @@ import numpy as np
 
 from planner_service.data import make_source, sample_batch
 from planner_service.fcp import plan_global_batch
-from planner_service.fcp.compare import compare_with_baselines
 from planner_service.fcp.cost_model import DEBUG_MODEL, PROFILES
 from planner_service.fcp.fit import fit_profile, load_timings, synthetic_timings
 from planner_service.fcp.grouping import group_table
 from planner_service.fcp.portfolio import solve_split
+from planner_service.fcp.reference_comparison import compare_with_references
 from planner_service.fcp.schedule import sequence_stats, split_micro_batches
 from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
 
@@ -91,7 +91,7 @@ def makespan_section(args: argparse.Namespace) -> list[str]:
             rows = []
             for seed in range(args.batches):
                 seqs = batch(dataset, seed)
-                cmp = compare_with_baselines(seqs, num_ranks=n, memory_tokens=args.memory_tokens)
+                cmp = compare_with_references(seqs, num_ranks=n, memory_tokens=args.memory_tokens)
                 paper = plan_global_batch(seqs, num_ranks=n, memory_tokens=args.memory_tokens,
                                           search="paper")
                 least = solve_split(sequence_stats(seqs, (), PROFILE), cmp.fcp.micro_batches, n,
@@ -176,7 +176,7 @@ def extreme_section(args: argparse.Namespace) -> list[str]:
     for n, memory, k in ((16, 32768, 64), (32, 32768, 64), (64, 32768, 255), (64, 16384, 255),
                          (64, 32768, 511)):
         seqs = [131072] + shorts[:k]
-        cmp = compare_with_baselines(seqs, num_ranks=n, memory_tokens=memory)
+        cmp = compare_with_references(seqs, num_ranks=n, memory_tokens=memory)
         lines.append(f"| {n} | {memory:,} | {k} | {cmp.fcp_ms:.1f} | {cmp.static_ms:.1f} "
                      f"({cmp.static_degree}) | {cmp.speedup_vs_static:.2f}x | {cmp.greedy_ms:.1f} "
                      f"| {cmp.speedup_vs_greedy:.2f}x |")

@@ -16,7 +16,7 @@
    (bench/results/model_check_gpu.md, .json, .png, _profile.json).
 
 Without CUDA it prints why and exits 0 without writing anything. ``--cpu-smoke`` runs
-the same code paths on CPU at 1/64 scale (float32, torch kernel) into a scratch folder,
+the same code paths on CPU at 1/64 scale (float32, torch kernel) into a temporary folder,
 so the script itself is tested where no GPU is available.
 """
 

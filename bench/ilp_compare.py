@@ -13,7 +13,8 @@ the ILP's (ratio of means) and of the ILP's proven bound (the best saving any pl
 of the blocks could reach: a ratio that holds even where the ILP is not optimal). The
 wall time at which the ILP's gap first fell under 1% comes from its progress log
 (``ilp.PROGRESS``, one record per step of the search, so it errs late); after the data
-sets of one N and context, a line pools them (the benchmark set of the ILP issue).
+sets of one N and context, a line pools them (the set the ILP's target, a gap under 1%
+within WITHIN_S of wall time, is measured on).
 ``--append`` adds the cells to an existing results file, so a long run can be split.
 """
 
@@ -41,7 +42,7 @@ BASELINES = ("per_doc", "llama3", "flashcp")
 CLOSED_GAP = 0.01
 """A solve counts as closed at OPTIMAL or a gap under this."""
 WITHIN_S = 10.0
-"""The wall time within which the ILP issue asks for a closed solve."""
+"""The wall time within which the ILP's target asks for a closed solve."""
 
 
 class Progress(logging.Handler):

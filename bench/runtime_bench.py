@@ -15,7 +15,7 @@ per rank, and overlapped / ring execution over gloo.
 3. ``--profile``: attention and comm timings on CPU in the ``cp-planner-timings/v1``
    format (bench/results/timings_cpu.json), the file the cost-model fit reads.
 4. ``--execution``: (a) KV memory per rank from the plans' ``kv_tokens_peak`` against the
-   per-shard gathered keys of the earlier runtime (sum of shard ends), 128K, N = 8; (b)
+   keys a per-shard gather would hold (sum of shard ends), 128K, N = 8; (b)
    the same plans run with overlap off and on, ring plans also as an all-gather: one
    layer's forward + backward time, the time the kernel waited for an exchange (exposed),
    peak KV bytes per rank, and the share of queries whose keys are all local (what
@@ -139,26 +139,26 @@ def profile(path: Path) -> str:
 
 
 def memory_table(num_seq: int, cp: int) -> list[str]:
-    """Max over ranks of KV tokens held per layer / tokens per rank: the earlier runtime's
-    per-shard gathered keys (sum of shard ends) against the plan's ``kv_tokens_peak``."""
+    """Max over ranks of KV tokens held per layer / tokens per rank: the keys a per-shard
+    gather would hold (sum of shard ends) against the plan's ``kv_tokens_peak``."""
     lines = ["| dataset | strategy | mode | per-shard gather (mean / max) | kv_tokens_peak (mean / max) | "
              "local query share (mean / min over ranks) |", "|---|---|---|---:|---:|---:|"]
     for ds in DATASETS:
         seqs = sequences(ds, num_seq)
         for strategy in ("llama3", "per_doc", "flashcp"):
-            old, new, shares = [], [], []
+            gather, peak, shares = [], [], []
             for seq in seqs:
                 plan = solve(PlanRequest(doc_lengths=tuple(seq), cp_size=cp, strategy=strategy,
                                          context_length=CONTEXT_128K, model=LLAMA3_8B))
                 t = plan.metrics.tokens_per_rank
-                old.append(max(sum(e for _, _, e in plan.rank_shards(r)) for r in range(cp)) / t)
-                new.append(max(max(g.rank_stats.kv_tokens_peak) for g in plan.groups) / t)
+                gather.append(max(sum(e for _, _, e in plan.rank_shards(r)) for r in range(cp)) / t)
+                peak.append(max(max(g.rank_stats.kv_tokens_peak) for g in plan.groups) / t)
                 for r in range(cp):
                     lay = build_layout(plan, r)
                     local, real = local_share(lay, build_comm_map(lay, "alltoallv"))
                     shares.append(local / real if real else 1.0)
-            lines.append(f"| {ds} | {strategy} | {plan.comm_mode} | {statistics.mean(old):.2f} / "
-                         f"{max(old):.2f} | {statistics.mean(new):.2f} / {max(new):.2f} | "
+            lines.append(f"| {ds} | {strategy} | {plan.comm_mode} | {statistics.mean(gather):.2f} / "
+                         f"{max(gather):.2f} | {statistics.mean(peak):.2f} / {max(peak):.2f} | "
                          f"{statistics.mean(shares):.1%} / {min(shares):.1%} |")
     return lines
 
@@ -254,7 +254,7 @@ def execution_main(args: argparse.Namespace) -> None:
         "",
         f"## KV held per layer per rank / tokens per rank, 128K, N = 8 ({args.memory_sequences} sequences)",
         "",
-        "Per-shard gather: the earlier runtime's gathered keys (every shard's prefix [0, end) of its",
+        "Per-shard gather: the keys a runtime that gathers per shard holds (every shard's prefix [0, end) of its",
         "doc, kept for backward). kv_tokens_peak: the plan's figure, which the lean runtime's",
         "counter equals (tests/test_runtime_overlap.py): per doc, one copy of the prefix up to the",
         "rank's last shard end. Mean and max over sequences of the max over ranks. Local query",

@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from planner_service.core.errors import FieldError
     from planner_service.core.model import ModelSpec
     from planner_service.core.plan import Group, Plan, Shard
     from planner_service.core.request import PlanRequest
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from planner_service.solvers.registry import STRATEGIES, get_strategy, solve, timed_solve
 
 _EXPORTS = {
+    "FieldError": "planner_service.core.errors",
     "ModelSpec": "planner_service.core.model",
     "Group": "planner_service.core.plan",
     "Plan": "planner_service.core.plan",
@@ -33,6 +35,7 @@ _EXPORTS = {
 
 __all__ = [
     "STRATEGIES",
+    "FieldError",
     "Group",
     "ModelSpec",
     "Plan",

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from planner_service.compare import StrategySummary  # noqa: E402
+from planner_service.strategy_summary import StrategySummary  # noqa: E402
 
 
 def plot_comparison(

@@ -2,9 +2,9 @@
 
 Layers of ``planner_service``, lowest first: ``core`` (the plan contract, cost model and
 validation); then ``data``, ``solvers``, ``fcp`` (and ``proto_build``); then the edges
-``service``, ``client``, ``cli`` (and ``compare``, ``plot``). ``fcp`` is FCP's algorithm
-alone and imports only the core (the code that builds plans with other strategies lives in
-``solvers``). ``worker_runtime`` imports only the plan contract from ``planner_service``.
+``service``, ``client``, ``cli`` (and ``strategy_summary``, ``plot``). ``fcp`` is FCP's
+algorithm alone and imports only the core (the code that builds plans with other strategies
+lives in ``solvers``). ``worker_runtime`` imports only the plan contract from ``planner_service``.
 And the install: the service (``make run``) needs neither torch nor matplotlib.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner_service", "worker_runtime")
 
 LAYERS = (
-    grimp.Layer("cli", "service", "client", "compare", "plot", independent=False),
+    grimp.Layer("cli", "service", "client", "strategy_summary", "plot", independent=False),
     grimp.Layer("solvers", "fcp", "data", "proto_build", independent=False),
     grimp.Layer("core"),
 )
@@ -34,9 +34,11 @@ CONTRACT = frozenset({
     "planner_service.core.plan",
     "planner_service.core.model",
     "planner_service.core.cost",
+    "planner_service.core.errors",
 })
 """What ``worker_runtime`` may import from ``planner_service``: the plan, the model shape
-it carries and the exchange volumes of its shards (``core.cost``)."""
+it carries, the exchange volumes of its shards (``core.cost``) and the error the model
+shape's checks raise (``core.errors``)."""
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:

@@ -231,7 +231,7 @@ def test_training_loop_rides_out_a_killed_server_and_resumes(scheme):
     assert float(line.split()[-1]) >= 1  # the client told the restarted server
 
 
-# ---- bounded fallbacks (issue 29) ---------------------------------------------------------
+# ---- bounded fallbacks -------------------------------------------------------------------
 
 RETURN_S = 0.3
 """Headroom over get()'s timeout (scaled): thread wake-up and one linear-time plan. The

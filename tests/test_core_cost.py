@@ -1,4 +1,4 @@
-"""Cost formulas against hand-computed cases (DESIGN.md section 3)."""
+"""Cost formulas against hand-computed cases (docs/plan.md, Cost accounting)."""
 
 import pytest
 from hypothesis import given, settings

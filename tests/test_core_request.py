@@ -40,7 +40,7 @@ def test_rejects_sum_above_context():
 
 
 def test_rejects_doc_longer_than_context():
-    with pytest.raises(ValueError, match="doc of length 200 is longer than context_length 100"):
+    with pytest.raises(ValueError, match="doc of length 200, longer than context_length 100"):
         PlanRequest(doc_lengths=[200], cp_size=2, context_length=100)
 
 

@@ -116,11 +116,36 @@ def test_the_settings_table_exists_once() -> None:
     assert copies == ["settings.md"]
 
 
-HISTORY = re.compile(r"\b(scratch run|this session|two versions back|previous version)\b|"
-                     r"\bcommit [0-9a-f]{7,40}\b", re.IGNORECASE)
+HISTORY = re.compile(r"\b(scratch run|this session|two versions back|previous version|"
+                     r"previously|issue \d+)\b|\bcommit [0-9a-f]{7,40}\b|\bDESIGN\.md\b",
+                     re.IGNORECASE)
+"""History and references outside the repository: a page or docstring says what is, and
+cites docs/ pages, not a design file, an issue or a commit."""
+RESULTS = sorted((ROOT / "bench" / "results").glob("*.md"))
+SOURCES = sorted(p for folder in ("planner_service", "worker_runtime", "bench", "tests",
+                                  "examples")
+                 for p in (ROOT / folder).rglob("*.py")
+                 if "proto_gen" not in p.parts and p != Path(__file__).resolve())
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES + RESULTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_pages_are_written_for_users_not_as_history(page: Path) -> None:
     found = sorted({m.group(0) for m in HISTORY.finditer(page.read_text())})
     assert not found, f"{page.relative_to(ROOT)}: {found}"
+
+
+def test_code_cites_no_history_or_outside_file() -> None:
+    found = {str(p.relative_to(ROOT)): sorted({m.group(0) for m in HISTORY.finditer(p.read_text())})
+             for p in SOURCES}
+    assert SOURCES and not {k: v for k, v in found.items() if v}
+
+
+def test_serve_help_points_at_the_settings_page() -> None:
+    from typer.testing import CliRunner
+
+    from planner_service.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "docs/settings.md" in result.output and (DOCS / "settings.md").is_file()
+    assert "python -m planner_service.service.settings_doc" in result.output

@@ -14,9 +14,9 @@ from planner_service.cli import app
 from planner_service.core.request import debug_request
 from planner_service.data import make_source, sample_batch
 from planner_service.fcp import plan_global_batch
-from planner_service.fcp.compare import compare_with_baselines
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, PROFILES
 from planner_service.fcp.portfolio import solve_split
+from planner_service.fcp.reference_comparison import compare_with_references
 from planner_service.fcp.schedule import sequence_stats, split_micro_batches
 from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
 
@@ -137,7 +137,7 @@ def test_threshold_and_dp_methods_agree():
 @pytest.mark.parametrize("num_ranks", [8, 32])
 def test_fcp_is_never_worse_than_the_baselines(dataset, num_ranks):
     seqs = sample_batch(make_source(dataset), num_sequences=128, max_tokens=131072, seed=5)
-    cmp = compare_with_baselines(seqs, num_ranks=num_ranks, memory_tokens=32768)
+    cmp = compare_with_references(seqs, num_ranks=num_ranks, memory_tokens=32768)
     assert cmp.fcp_ms <= cmp.static_ms * (1 + 1e-9)
     assert cmp.fcp_ms <= cmp.greedy_ms * (1 + 1e-9)
 
@@ -145,7 +145,7 @@ def test_fcp_is_never_worse_than_the_baselines(dataset, num_ranks):
 def test_one_long_sequence_among_short_ones_beats_the_static_degree():
     rng = np.random.default_rng(0)
     seqs = [131072] + rng.integers(2048, 8193, size=255).tolist()
-    cmp = compare_with_baselines(seqs, num_ranks=64, memory_tokens=32768)
+    cmp = compare_with_references(seqs, num_ranks=64, memory_tokens=32768)
     assert cmp.speedup_vs_static > 1.5  # measured 2.24x (bench/results/fcp_bench.md)
 
 

@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 
 from planner_service import validate_plan
 from planner_service.data import make_source, sample_batch
-from planner_service.fcp.baselines import best_static
 from planner_service.fcp.bfd import bfd_headroom, merge_for_memory, min_degrees, pack_balanced
 from planner_service.fcp.brute import brute_degrees, brute_optimum, set_partitions
 from planner_service.fcp.cost_model import PROFILES
 from planner_service.fcp.dp import Degrees, dp_degrees, fill_spare_ranks, threshold_degrees
 from planner_service.fcp.grouping import Scored, group_table
-from planner_service.fcp.layout import place_groups
+from planner_service.fcp.placement import place_groups
 from planner_service.fcp.portfolio import keep_paper, score_static, solve_micro_batch, static_total
+from planner_service.fcp.reference_schedules import best_static
 from planner_service.fcp.schedule import sequence_stats, split_micro_batches
 from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
 

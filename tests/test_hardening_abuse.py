@@ -1,4 +1,4 @@
-"""Files, streams, caches, job storage, metrics and malformed input (issue 29, findings 3-6).
+"""Files, streams, caches, job storage, metrics and malformed input.
 
 One real server (one solver process, HTTP and gRPC, a token, small limits). Each test is an
 attack, then a probe that needs a fresh solve and must be answered normally within 2 s;

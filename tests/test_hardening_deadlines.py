@@ -1,4 +1,4 @@
-"""No request holds a solver past its deadline (issue 29, findings 1 and 2).
+"""No request holds a solver past its deadline.
 
 One real server (one solver process, HTTP and gRPC, a token) with the test hooks on: the
 strategy ``test_hang`` sleeps for an hour, a solver guaranteed to ignore every deadline.
@@ -31,7 +31,7 @@ METADATA = (("authorization", f"Bearer {TOKEN}"),)
 JOB_DEADLINE_S = 3.0
 """PLANNER_REQUEST_TIMEOUT_S of the test server: the deadline of a job batch."""
 PROBE_S = 2.0
-"""The issue's bound: after an attack the service answers normally within this."""
+"""After an attack the service answers normally within this."""
 RSS_GROWTH_MIB = 200
 HANG = {"doc_lengths": [4099, 37, 1023], "cp_size": 4, "strategy": "test_hang"}
 _probes = itertools.count(1)

@@ -1,4 +1,4 @@
-"""Faults (issue 7, item 5): the server is SIGKILLed and restarted while a simulated
+"""Faults: the server is SIGKILLed and restarted while a simulated
 4-rank training loop runs.
 
 Each rank is a thread with its own PlanClient on the same job (the pattern of a CP group:

@@ -1,4 +1,4 @@
-"""Fuzzing: schemathesis against the service's own OpenAPI spec (issue 7, item 3).
+"""Fuzzing: schemathesis against the service's own OpenAPI spec.
 
 A real ``planner serve`` (one solver process, HTTP only) answers requests that
 schemathesis generates from ``/openapi.json``: valid ones (positive mode) and invalid ones

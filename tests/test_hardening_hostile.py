@@ -1,4 +1,4 @@
-"""Hostile input against a real server (issue 7, items 3 and 6).
+"""Hostile input against a real server.
 
 A million docs, lengths near 2^63, floats, NaN, nested garbage, a 100 MB body, slow
 clients: each answered with a 4xx within a second, other clients keep being served, and
@@ -21,7 +21,7 @@ import pytest
 from planner_service.service.testing import ServerProcess
 
 ANSWER_S = 1.0
-"""Every hostile request is answered within this (issue 7)."""
+"""Every hostile request is answered within this."""
 BODY_TIMEOUT_S = 2.0
 """PLANNER_BODY_TIMEOUT_S of the test server."""
 HEADER_TIMEOUT_S = 2.0

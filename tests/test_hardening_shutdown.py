@@ -1,4 +1,4 @@
-"""Graceful shutdown (issue 7, item 2), beyond tests/test_service_live.py (which checks
+"""Graceful shutdown, beyond tests/test_service_live.py (which checks
 that SIGTERM under a stream of fast requests exits 0): a slow solve in flight and queued
 job batches behind it all finish after SIGTERM, a long-poll waiting on a queued batch gets
 its plan, nothing reports ready once SIGTERM arrived, and the process exits 0 within the

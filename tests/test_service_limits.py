@@ -1,4 +1,4 @@
-"""Service safety parts without a server (issue 29): the solver pool's deadlines and
+"""Service safety parts without a server: the solver pool's deadlines and
 readiness, byte-bounded cache, per-client job bound, JSON depth, auth and content type
 parsing, profile resolution."""
 
@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from planner_service.core.errors import FieldError
 from planner_service.core.request import debug_request
 from planner_service.fcp.cost_model import PROFILES, forbid_profile_files, get_profile
 from planner_service.service import pool as pool_mod
@@ -18,7 +19,7 @@ from planner_service.service.jobs import JobStore
 from planner_service.service.metrics import ServiceMetrics
 from planner_service.service.middleware import bearer_token, is_json
 from planner_service.service.profiles import ProfileCatalog
-from planner_service.service.schemas import FieldError, check_json_depth, request_key
+from planner_service.service.schemas import check_json_depth, request_key
 from planner_service.service.settings import load_settings
 
 

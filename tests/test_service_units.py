@@ -12,13 +12,14 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from planner_service import proto_build
+from planner_service.core.errors import FieldError
 from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import debug_request
 from planner_service.service import executor as executor_mod
 from planner_service.service.executor import DeadlineExceeded, Executor, Overloaded, SolveResult
 from planner_service.service.jobs import Conflict, JobStore, NotFound
 from planner_service.service.metrics import ServiceMetrics
-from planner_service.service.schemas import FieldError, request_key
+from planner_service.service.schemas import request_key
 from planner_service.service.settings import load_settings
 
 ENV_NAMES = {

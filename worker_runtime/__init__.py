@@ -1,4 +1,4 @@
-"""Worker runtime: executes planner plans with torch.distributed (DESIGN.md section 7).
+"""Worker runtime: executes planner plans with torch.distributed (docs/runtime.md).
 
 ``ContextParallelAttention(plan, rank, group)`` gives the local token layout (indices,
 doc ids, positions), ``dispatch``/``undispatch`` and a differentiable ``attention(q, k,

@@ -11,7 +11,7 @@ Legend (per CP group of N ranks, ``slot`` = a rank's index in ``group.ranks``):
 - source: ``cat(local buffer, receive buffer)``; ``CommMap.kv_index`` picks, for every
   shard ``(d, s, e)`` in order, the source rows of keys ``[0, e)`` of doc d.
 
-Receive buffers by mode (DESIGN.md section 3; ``planner_service.core.cost``):
+Receive buffers by mode (docs/runtime.md, Exchanges and bytes; ``planner_service.core.cost``):
 
 - ``full``: every other rank's whole local buffer (padding included), peers in slot order.
 - ``compact_allgather``: every other rank's compact buffer padded to the group's largest,

@@ -105,9 +105,9 @@ def schedule(
         f"plans built and validated in {result.plan_ms:.1f} ms ({result.profile}, {strategy})"
     )
     if compare:
-        from planner_service.fcp.compare import compare_with_baselines
+        from planner_service.fcp.reference_comparison import compare_with_references
 
-        cmp = compare_with_baselines(batch, num_ranks=ranks, memory_tokens=memory_tokens,
+        cmp = compare_with_references(batch, num_ranks=ranks, memory_tokens=memory_tokens,
                                      profile=profile, search=search)
         table = Table(title="estimated makespan, ms per layer (sum over micro-batches)")
         for col in ("method", "micro-batches", "makespan", "fcp speedup"):

@@ -10,11 +10,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from planner_service.cli.common import console, fail, note
-from planner_service.compare import StrategySummary, compare
 from planner_service.core.plan import Plan
 from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import prepare, strategy_names, timed_solve
+from planner_service.strategy_summary import StrategySummary, summarize_strategies
 
 Docs = Annotated[
     str | None, typer.Option("--docs", help="Comma-separated doc lengths, e.g. 1000,5000,37")
@@ -233,9 +233,9 @@ def compare_cmd(
             remote = remote_plan(url, request)
             return remote.plan, remote.solve_ms
 
-        summaries = compare(names, sequences, base, solve=ask_service)
+        summaries = summarize_strategies(names, sequences, base, solve=ask_service)
     else:
-        summaries = compare(names, sequences, base)
+        summaries = summarize_strategies(names, sequences, base)
     if as_json:
         typer.echo(json.dumps([s._asdict() for s in summaries], indent=2))
     else:

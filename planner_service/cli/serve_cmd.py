@@ -72,7 +72,9 @@ def serve(
 ) -> None:
     """Run the planner service: HTTP (web page at /, OpenAPI at /docs) and gRPC.
 
-    Every other setting comes from PLANNER_* environment variables (docs: settings).
+    Every other setting is a PLANNER_* environment variable: see docs/settings.md.
+
+    `python -m planner_service.service.settings_doc` prints them all as a table.
     """
     from pydantic import ValidationError
 

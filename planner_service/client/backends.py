@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from planner_service.client.base import Backend, Comparison, ServiceError, ServiceResult
+from planner_service.client.base import Backend, ServiceComparison, ServiceError, ServiceResult
 
 USER_AGENT = "cp-planner-client/1"
 
@@ -67,7 +67,7 @@ class HttpBackend:
         except httpx.HTTPError as exc:
             raise ServiceError("unavailable", f"{type(exc).__name__}: {exc}") from exc
         if response.status_code >= 400:
-            raise _http_error(response)
+            raise http_error(response)
         return response
 
     def warm(self) -> None:
@@ -84,7 +84,7 @@ class HttpBackend:
         return _http_result(r)
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
-                timeout_s: float) -> Comparison:
+                timeout_s: float) -> ServiceComparison:
         body = {k: v for k, v in request.items() if k != "strategy"}
         if strategies is not None:
             body["strategies"] = list(strategies)
@@ -95,7 +95,7 @@ class HttpBackend:
         results = [(e["strategy"], ServiceResult(canonical_json(e["plan"]), e["plan"]["plan_id"],
                                                  float(e["solve_ms"]), bool(e["cached"])))
                    for e in data["results"]]
-        return Comparison(results, dict(data["errors"]))
+        return ServiceComparison(results, dict(data["errors"]))
 
     def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
                fallbacks: int = 0) -> None:
@@ -131,7 +131,9 @@ def _http_result(r: httpx.Response) -> ServiceResult:
                          r.headers.get("x-cache") == "hit")
 
 
-def _http_error(r: httpx.Response) -> ServiceError:
+def http_error(r: httpx.Response) -> ServiceError:
+    """The ServiceError of an HTTP error answer: its status, ``detail``, ``field`` and
+    ``Retry-After``."""
     try:
         data = r.json()
         message, field = str(data.get("detail")), data.get("field")
@@ -168,22 +170,26 @@ class EmbeddedBackend:
         return ServiceResult(solved.plan.to_json(), solved.plan.plan_id, solved.solve_ms, False)
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
-                timeout_s: float) -> Comparison:
-        from planner_service.solvers.registry import STRATEGIES, strategy_names
+                timeout_s: float) -> ServiceComparison:
+        from planner_service.core.errors import FieldError
+        from planner_service.solvers.registry import compared_options, strategy_names
 
+        names = list(strategies) if strategies is not None else strategy_names()
+        options = request.get("options", {})
+        try:
+            if not isinstance(options, dict):
+                raise FieldError("options", f"options must be a JSON object, got {options!r}")
+            shares = compared_options(names, options)
+        except FieldError as exc:
+            raise ServiceError("422", str(exc), field=exc.field) from None
         results, errors = [], {}
-        for name in strategies if strategies is not None else strategy_names():
-            if name not in STRATEGIES:
-                raise ServiceError("422", f"strategies: strategy {name!r} is unknown",
-                                   field="strategies")
-            options = {k: v for k, v in request.get("options", {}).items()
-                       if k in STRATEGIES[name].options}
+        for name, share in shares.items():
             try:
                 results.append((name, self.plan({**request, "strategy": name,
-                                                 "options": options}, timeout_s)))
+                                                 "options": share}, timeout_s)))
             except ServiceError as exc:
                 errors[name] = exc.message
-        return Comparison(results, errors)
+        return ServiceComparison(results, errors)
 
     def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
                fallbacks: int = 0) -> None:
@@ -203,7 +209,7 @@ class EmbeddedBackend:
             self._jobs.clear()
 
 
-__all__ = ["Backend", "Comparison", "EmbeddedBackend", "HttpBackend", "ServiceError",
+__all__ = ["Backend", "EmbeddedBackend", "HttpBackend", "ServiceComparison", "ServiceError",
            "ServiceResult", "make_backend"]
 
 

@@ -18,7 +18,7 @@ class ServiceResult(NamedTuple):
     cached: bool
 
 
-class Comparison(NamedTuple):
+class ServiceComparison(NamedTuple):
     results: list[tuple[str, ServiceResult]]
     """(strategy, result) in the order asked for."""
     errors: dict[str, str]
@@ -55,7 +55,7 @@ class Backend(Protocol):
              ) -> ServiceResult: ...
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
-                timeout_s: float) -> Comparison: ...
+                timeout_s: float) -> ServiceComparison: ...
 
     def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float, *,
                fallbacks: int = 0) -> None: ...

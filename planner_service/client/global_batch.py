@@ -30,8 +30,9 @@ from typing import Any, NamedTuple, Protocol
 
 import httpx
 
-from planner_service.client.backends import USER_AGENT, ServiceError
+from planner_service.client.backends import USER_AGENT, ServiceError, http_error
 from planner_service.client.prefetch import FALLBACKS
+from planner_service.core.errors import FieldError
 from planner_service.core.plan import Plan
 
 log = logging.getLogger("planner_service.client")
@@ -84,8 +85,9 @@ def solve_local(request: dict[str, Any]) -> tuple[str, str, float]:
     except ValidationError as exc:
         err = validation_message(exc)
         raise ServiceError("422", str(err), field=err.field) from None
-    except ValueError as exc:
-        raise ServiceError("422", str(exc)) from None
+    except ValueError as exc:  # as the service answers it (executor.solver_error)
+        field = exc.field if isinstance(exc, FieldError) else "body"
+        raise ServiceError("422", str(exc), field=field) from None
     return done.schedule_json, done.schedule_id, (time.perf_counter() - start) * 1e3
 
 
@@ -131,12 +133,7 @@ class HttpTransport:
         except httpx.HTTPError as exc:
             raise ServiceError("unavailable", f"{type(exc).__name__}: {exc}") from exc
         if r.status_code >= 400:
-            try:
-                data = r.json()
-                message, field = str(data.get("detail")), data.get("field")
-            except ValueError:
-                message, field = r.text[:500], None
-            raise ServiceError(str(r.status_code), message, field=field)
+            raise http_error(r)
         return r
 
     def submit(self, job: str, batch: str, request: dict[str, Any], timeout_s: float) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 import grpc
 
-from planner_service.client.base import Comparison, ServiceError, ServiceResult
+from planner_service.client.base import ServiceComparison, ServiceError, ServiceResult
+from planner_service.core.errors import FieldError
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
 
@@ -93,18 +94,19 @@ class GrpcBackend:
         try:
             return dict_to_request(self._pb2, request)
         except (TypeError, ValueError) as exc:
-            raise ServiceError("INVALID_ARGUMENT", str(exc)) from None
+            raise ServiceError("INVALID_ARGUMENT", str(exc),
+                               field=exc.field if isinstance(exc, FieldError) else None) from None
 
     def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
              ) -> ServiceResult:
         return self._result(self._call("Plan", self._request(request), timeout_s, fallbacks))
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
-                timeout_s: float) -> Comparison:
+                timeout_s: float) -> ServiceComparison:
         message = self._pb2.CompareRequest(request=self._request(request),
                                            strategies=list(strategies or []))
         reply = self._call("Compare", message, timeout_s)
-        return Comparison([(p.strategy, self._result(p)) for p in reply.plans],
+        return ServiceComparison([(p.strategy, self._result(p)) for p in reply.plans],
                           dict(reply.errors))
 
     def schedule(self, request: dict[str, Any], timeout_s: float) -> str:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from planner_service.client.base import ServiceError
-from planner_service.solvers.registry import Solved, timed_solve
+from planner_service.core.errors import FieldError
+from planner_service.solvers.registry import Solved, strategies_of_complexity, timed_solve
 
-FAST_STRATEGIES = frozenset({"flashcp", "llama3", "per_doc", "ring", "zigzag"})
+FAST_STRATEGIES = strategies_of_complexity("linear", "heuristic")
 """Heuristics that plan a small request in milliseconds: fallbacks on small inputs."""
-BOUNDED_STRATEGIES = frozenset({"llama3", "ring"})
+BOUNDED_STRATEGIES = strategies_of_complexity("linear")
 """Strategies whose cost is linear in documents + ranks by construction (fixed chunks):
 a fallback on any input."""
 BOUNDED_FALLBACK = "llama3"
@@ -24,9 +25,10 @@ SMALL_DOC_RANKS = 2**16
 def solve_dict(request: dict[str, Any]) -> Solved:
     """Validate a JSON request like the service does and solve it here.
 
-    Raises ServiceError with code '422' and the field for invalid input.
+    Raises ServiceError with code '422' and the field for invalid input (found by the
+    edge's checks or by the strategy's own, as the service would answer it).
     """
-    from planner_service.service.schemas import FieldError, Limits, parse_plan_request
+    from planner_service.service.schemas import Limits, parse_plan_request
 
     try:
         return timed_solve(parse_plan_request(request, Limits.library()))

@@ -1,6 +1,6 @@
 """Cost accounting shared by every solver, benchmark, the validator and the runtime.
 
-Formulas (DESIGN.md section 3; FlashCP, arXiv:2606.08476, section 3):
+Formulas (docs/plan.md, Cost accounting; FlashCP, arXiv:2606.08476, section 3):
 
 - workload of shard (d, p, p + s) under causal masking inside its doc is the number of
   query-key pairs ``W = (2p + s + 1) * s / 2``; a whole doc of length L: ``L (L + 1) / 2``.

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from planner_service.core.errors import FieldError
+
+MAX_DIM = 1 << 20
+"""Largest head count, head dimension or layer width a ModelSpec accepts."""
+DTYPE_BYTES = (1, 2, 4, 8)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
@@ -27,19 +33,18 @@ class ModelSpec:
     """SwiGLU inner width; used only for the linear-layer time."""
 
     def __post_init__(self) -> None:
+        """Raises FieldError (``model.<name>``) for a value out of range."""
         for name in ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "ffn_hidden_size"):
             value = getattr(self, name)
-            if type(value) is not int or not 1 <= value <= 1 << 20:
-                raise ValueError(f"model.{name} must be an integer in [1, 1048576], got {value!r}")
-        if type(self.dtype_bytes) is not int or self.dtype_bytes not in (1, 2, 4, 8):
-            raise ValueError(
-                f"model.dtype_bytes must be one of 1, 2, 4, 8, got {self.dtype_bytes!r}"
-            )
+            if type(value) is not int or not 1 <= value <= MAX_DIM:
+                raise FieldError(f"model.{name}", f"model.{name} must be an integer in "
+                                 f"[1, {MAX_DIM}], got {value!r}")
+        if type(self.dtype_bytes) is not int or self.dtype_bytes not in DTYPE_BYTES:
+            raise FieldError("model.dtype_bytes", f"model.dtype_bytes must be one of "
+                             f"{', '.join(map(str, DTYPE_BYTES))}, got {self.dtype_bytes!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"model.num_kv_heads ({self.num_kv_heads}) must divide "
-                f"model.num_heads ({self.num_heads})"
-            )
+            raise FieldError("model.num_kv_heads", f"model.num_kv_heads ({self.num_kv_heads}) "
+                             f"must divide model.num_heads ({self.num_heads})")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -64,7 +69,9 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        """Raises FieldError for an unknown or bad field."""
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"model has unknown fields {sorted(unknown)}")
+            raise FieldError(f"model.{min(unknown)}", f"model has unknown fields "
+                             f"{sorted(unknown)}; valid: {', '.join(cls.__dataclass_fields__)}")
         return cls(**data)

@@ -1,6 +1,6 @@
 """The plan: the single contract between the planner and the worker runtime.
 
-JSON layout (DESIGN.md section 5)::
+JSON form (docs/plan.md)::
 
     {"version": 1, "strategy": "flashcp", "cp_size": 4, "doc_lengths": [...],
      "context_length": 131072, "comm_mode": "alltoallv", "model": {...},

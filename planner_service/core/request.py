@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from planner_service.core.errors import FieldError
 from planner_service.core.model import ModelSpec
 from planner_service.core.profiles import default_kernel_name, get_kernel_profile, get_link_profile
 
@@ -18,37 +19,77 @@ DEFAULT_IMBALANCE_TARGET = 1.05
 
 
 def check_int(value: Any, name: str, lo: int, hi: int) -> int:
-    """Return value if it is an int (not bool) in [lo, hi], else raise ValueError naming it."""
+    """Return value if it is an int (not bool) in [lo, hi], else raise FieldError(name)."""
     if type(value) is not int:
-        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        raise FieldError(name, f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
     if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise FieldError(name, f"{name} must be in [{lo}, {hi}], got {value}")
     return value
 
 
-def check_doc_lengths(doc_lengths: Any, name: str = "doc_lengths") -> tuple[int, ...]:
-    """Validate a non-empty list of positive integer lengths."""
+def check_time_limit(value: Any, name: str, cap: float = math.inf, setting: str = "") -> float:
+    """Return a time limit in seconds if it is a finite number in (0, cap], else raise
+    FieldError(name); ``setting`` names where the cap comes from (an operator's variable)."""
+    allowed = "> 0" if cap == math.inf else f"in (0, {cap:g}]"
+    where = f" ({setting})" if setting else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value <= cap or not math.isfinite(value):
+        raise FieldError(name, f"{name} must be a number {allowed}{where}, got {value!r}")
+    return float(value)
+
+
+def check_doc_lengths(doc_lengths: Any, name: str = "doc_lengths", field: str | None = None
+                      ) -> tuple[int, ...]:
+    """Validate a non-empty list of positive integer lengths; raises FieldError with
+    ``field`` (default ``name``), or ``field.i`` for a bad entry i."""
+    field = field or name
     if isinstance(doc_lengths, (str, bytes)) or not isinstance(doc_lengths, Sequence):
-        raise ValueError(f"{name} must be a non-empty list of positive integers")
+        raise FieldError(field, f"{name} must be a non-empty list of integers in "
+                         f"[1, {MAX_TOKENS}]")
     if len(doc_lengths) == 0:
-        raise ValueError(f"{name} must not be empty")
+        raise FieldError(field, f"{name} must not be empty")
     out = []
     for i, length in enumerate(doc_lengths):
         # numpy integers are fine; bools and floats are not.
         if isinstance(length, bool) or not hasattr(length, "__index__"):
-            raise ValueError(f"{name}[{i}] must be a positive integer, got {length!r}")
+            raise FieldError(f"{field}.{i}", f"{name}[{i}] must be an integer in "
+                             f"[1, {MAX_TOKENS}], got {length!r}")
         length = int(length)
         if not 1 <= length <= MAX_TOKENS:
-            raise ValueError(f"{name}[{i}] must be in [1, {MAX_TOKENS}], got {length}")
+            raise FieldError(f"{field}.{i}", f"{name}[{i}] must be in [1, {MAX_TOKENS}], "
+                             f"got {length}")
         out.append(length)
     return tuple(out)
+
+
+def check_imbalance_target(value: Any) -> float:
+    """The target R as a float if it is a finite number in [1, 100], else FieldError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise FieldError("imbalance_target",
+                         f"imbalance_target must be a number in [1, 100], got {value!r}")
+    if not 1.0 <= value <= 100.0:
+        raise FieldError("imbalance_target", f"imbalance_target must be in [1, 100], got {value}")
+    return float(value)
+
+
+def check_profile_names(kernel: Any, link: Any) -> None:
+    """Raise FieldError (``kernel`` or ``link``) listing the valid names for an unknown
+    kernel or link profile."""
+    for name, value, lookup in (("kernel", kernel, get_kernel_profile),
+                                ("link", link, get_link_profile)):
+        try:
+            lookup(value)
+        except (ValueError, TypeError) as exc:
+            text = str(exc)
+            raise FieldError(name, text if text.startswith(name) else f"{name}: {text}") \
+                from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanRequest:
     """One packed sequence to shard over ``cp_size`` ranks.
 
-    Raises ValueError naming the field for any invalid value.
+    Raises FieldError (a ValueError) naming the field for any invalid value.
     """
 
     doc_lengths: tuple[int, ...]
@@ -78,41 +119,34 @@ class PlanRequest:
         object.__setattr__(self, "doc_lengths", check_doc_lengths(self.doc_lengths))
         check_int(self.cp_size, "cp_size", 1, MAX_CP_SIZE)
         if not isinstance(self.strategy, str):
-            raise ValueError(f"strategy must be a string, got {self.strategy!r}")
+            raise FieldError("strategy", f"strategy must be a string, got {self.strategy!r}")
         if self.context_length is not None:
             check_int(self.context_length, "context_length", 1, MAX_TOKENS)
         if not isinstance(self.truncate, bool):
-            raise ValueError(f"truncate must be true or false, got {self.truncate!r}")
-        r = self.imbalance_target
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-            raise ValueError(f"imbalance_target must be a number in [1, 100], got {r!r}")
-        if not 1.0 <= r <= 100.0:
-            raise ValueError(f"imbalance_target must be in [1, 100], got {r}")
-        object.__setattr__(self, "imbalance_target", float(r))
+            raise FieldError("truncate", f"truncate must be true or false, got {self.truncate!r}")
+        object.__setattr__(self, "imbalance_target", check_imbalance_target(self.imbalance_target))
         if self.comm_mode is not None and self.comm_mode not in COMM_MODES:
-            raise ValueError(
-                f"comm_mode must be one of {', '.join(COMM_MODES)}, got {self.comm_mode!r}"
-            )
+            raise FieldError("comm_mode", f"comm_mode must be one of {', '.join(COMM_MODES)}, "
+                             f"got {self.comm_mode!r}")
         if not isinstance(self.model, ModelSpec):
-            raise ValueError("model must be a ModelSpec")
-        get_kernel_profile(self.kernel)
-        get_link_profile(self.link)
+            raise FieldError("model", "model must be a ModelSpec")
+        check_profile_names(self.kernel, self.link)
         if not isinstance(self.options, Mapping):
-            raise ValueError(f"options must be a mapping, got {type(self.options).__name__}")
+            raise FieldError("options", f"options must be a mapping, got "
+                             f"{type(self.options).__name__}")
         total = sum(self.doc_lengths)
         if total > MAX_TOKENS:
-            raise ValueError(f"doc_lengths sum to {total}, above the limit {MAX_TOKENS}")
+            raise FieldError("doc_lengths", f"doc_lengths sum to {total}, above the limit "
+                             f"{MAX_TOKENS}")
         if self.context_length is not None and total > self.context_length and not self.truncate:
             longest = max(self.doc_lengths)
             what = (
-                f"doc of length {longest} is longer than"
+                f"doc_lengths has a doc of length {longest}, longer than"
                 if longest > self.context_length
                 else f"doc_lengths sum to {total}, more than"
             )
-            raise ValueError(
-                f"{what} context_length {self.context_length}; shorten doc_lengths, "
-                "raise context_length or set truncate=true"
-            )
+            raise FieldError("doc_lengths", f"{what} context_length {self.context_length}; "
+                             "shorten doc_lengths, raise context_length or set truncate=true")
 
     def packed(self) -> tuple[tuple[int, ...], int]:
         """The lengths after the explicit truncation to the window, and tokens dropped."""

@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from planner_service.fcp.baselines import SeqStats
 from planner_service.fcp.cost_model import FcpProfile
 from planner_service.fcp.dp import Degrees
 from planner_service.fcp.grouping import group_table
+from planner_service.fcp.seq_stats import SeqStats
 
 
 def brute_degrees(table: np.ndarray) -> Degrees:

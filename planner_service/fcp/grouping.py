@@ -28,11 +28,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from planner_service.fcp.baselines import SeqStats, serial_cost, static_groupings
+from planner_service.core.errors import FieldError
 from planner_service.fcp.bfd import bfd_bins, bfd_headroom, merge_for_memory, pack_balanced
 from planner_service.fcp.cost_model import FcpProfile, time_table
 from planner_service.fcp.dp import Degrees, dp_degrees, fill_spare_ranks, threshold_degrees
 from planner_service.fcp.headroom import fill_time_headroom
+from planner_service.fcp.reference_schedules import static_groupings
+from planner_service.fcp.seq_stats import SeqStats, serial_cost
 
 SEARCHES = ("portfolio", "paper")
 METHODS = ("dp", "threshold")
@@ -66,11 +68,14 @@ def group_table(
     return time_table(tokens, units, num_ranks, memory_tokens, profile)
 
 
-def memory_error(total: int, num_ranks: int, memory_tokens: int, what: str) -> ValueError:
-    """The error for a batch or sequence that N ranks of E tokens cannot hold."""
+def memory_error(total: int, num_ranks: int, memory_tokens: int, what: str,
+                 field: str = "memory_tokens") -> FieldError:
+    """The error for a batch or sequence that N ranks of E tokens cannot hold (about
+    ``field``, the request's memory_tokens)."""
     need_ranks = -(-total // memory_tokens)
     need_memory = -(-total // num_ranks)
-    return ValueError(
+    return FieldError(
+        field,
         f"{what} holds {total} tokens, more than num_ranks x memory_tokens = "
         f"{num_ranks} x {memory_tokens} = {num_ranks * memory_tokens}: it needs num_ranks >= "
         f"{need_ranks} ({need_ranks - num_ranks} missing) or memory_tokens >= {need_memory} "
@@ -140,7 +145,7 @@ def static_family(
     stats: SeqStats, items: Sequence[int], num_ranks: int, memory_tokens: int,
     profile: FcpProfile,
 ) -> list[tuple[str, list[list[int]]]]:
-    """The groupings a static CP degree c would run (``baselines.static_groupings``, the
+    """The groupings a static CP degree c would run (``reference_schedules.static_groupings``, the
     very function the static baseline uses) for every power of two c < N that fits them
     in one wave, plus one group of all N ranks."""
     out = [("one-group", [sorted(items)])]
@@ -198,12 +203,12 @@ def best(scored: Sequence[Scored]) -> Scored:
     return min(scored, key=lambda c: c.found.makespan_ms)
 
 
-def check_options(search: str, method: str) -> None:
-    """Raise ValueError naming ``search`` or ``method`` if it is unknown."""
-    if search not in SEARCHES:
-        raise ValueError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+def check_options(search: str, method: str, prefix: str = "") -> None:
+    """Raise FieldError (``search`` or ``method``, after ``prefix``) for an unknown one."""
+    for name, value, allowed in (("search", search, SEARCHES), ("method", method, METHODS)):
+        if value not in allowed:
+            raise FieldError(prefix + name, f"{prefix}{name} must be one of "
+                             f"{', '.join(allowed)}, got {value!r}")
 
 
 def redo_with_dp(

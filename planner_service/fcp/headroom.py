@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from planner_service.fcp.baselines import SeqStats
 from planner_service.fcp.cost_model import FcpProfile
 from planner_service.fcp.packing import descending, fit_into_rooms
+from planner_service.fcp.seq_stats import SeqStats
 
 
 def water_level(times: np.ndarray, degrees: np.ndarray, bins: int, work: float, fixed: float) -> float:

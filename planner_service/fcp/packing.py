@@ -1,4 +1,5 @@
-"""Fast packing primitives shared by stage 1, the micro-batch split and the baselines.
+"""Fast packing primitives shared by stage 1, the micro-batch split and the
+reference schedules.
 
 * ``descending``: a deterministic weight-descending order.
 * ``balanced_pack``: cost-balanced packing (LPT) into k bins under a token capacity:
@@ -8,8 +9,8 @@
 * ``fit_into_rooms``: BFD of items into given rooms, skipping at once past items that
   are larger than every room left.
 
-The baselines use the same ``balanced_pack``, so FCP's static-degree candidates are
-exactly the groupings the static baseline runs.
+The reference schedules use the same ``balanced_pack``, so FCP's static-degree candidates
+are exactly the groupings the static reference schedule runs.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ for one promise, that FCP is never worse than the static baseline, and are used 
 that promise needs them (``keep_paper``): every micro-batch runs the paper's grouping
 unless the split's total would then exceed ``bound``, the static baseline's total (the
 best power-of-two degree for the whole batch, waves included: ``static_total``, the
-figure baselines.best_static and compare.py give); then micro-batches switch to their
-least estimate over both families, largest saving first, until the total is within it.
+figure reference_schedules.best_static and reference_comparison.py give); then
+micro-batches switch to their least estimate over both families, largest saving first,
+until the total is within it.
 
 Why not the least estimate in every micro-batch: it arbitrates between groupings of
 different shape whose estimates often lie a few percent apart (a static-8 and a static-4
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner_service.fcp.baselines import SeqStats, powers_of_two, static_schedule
 from planner_service.fcp.cost_model import FcpProfile
 from planner_service.fcp.grouping import (
     Grouping,
@@ -46,6 +46,8 @@ from planner_service.fcp.grouping import (
     static_degree,
     static_family,
 )
+from planner_service.fcp.reference_schedules import powers_of_two, static_schedule
+from planner_service.fcp.seq_stats import SeqStats
 
 Split = Sequence[Sequence[int]]
 """Micro-batches of a global batch: sequence ids of each."""
@@ -76,8 +78,8 @@ def static_total(
     The least over powers of two c that hold the longest sequence of the sum over
     micro-batches of c's makespan there: its ``static_family`` candidate's groups all at
     degree c when they fit one wave (``static``, already scored), else
-    baselines.static_schedule with its further waves. This is what baselines.best_static
-    returns, without packing the one-wave degrees again.
+    reference_schedules.static_schedule with its further waves. This is what
+    reference_schedules.best_static returns, without packing the one-wave degrees again.
     """
     longest = max(int(stats.tokens[list(mb)].max()) for mb in split)
     totals = []

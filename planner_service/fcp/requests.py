@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from planner_service.core.errors import FieldError
 from planner_service.core.plan import Plan
 from planner_service.core.request import MAX_TOKENS, check_doc_lengths
 
@@ -18,12 +19,14 @@ MAX_SEQUENCES = 1 << 16
 def check_sequences(value: Any) -> tuple[tuple[int, ...], ...]:
     """Sequences as tuples of doc lengths; an int is one unpacked sample of that length.
 
-    Raises ValueError naming ``sequences[i]`` for a bad entry.
+    Raises FieldError (``sequences`` or ``sequences.i``, ``sequences.i.j``) for a bad entry.
     """
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ValueError("sequences must be a non-empty list of doc-length lists (or lengths)")
+        raise FieldError("sequences", "sequences must be a non-empty list of doc-length lists "
+                         "(or lengths)")
     if not 1 <= len(value) <= MAX_SEQUENCES:
-        raise ValueError(f"sequences must hold 1 to {MAX_SEQUENCES} sequences, got {len(value)}")
+        raise FieldError("sequences", f"sequences must hold 1 to {MAX_SEQUENCES} sequences, "
+                         f"got {len(value)}")
     out: list[tuple[int, ...]] = []
     for i, seq in enumerate(value):
         # Fast path for plain ints (the common case); check_doc_lengths words the errors.
@@ -36,10 +39,11 @@ def check_sequences(value: Any) -> tuple[tuple[int, ...], ...]:
         else:
             if not isinstance(seq, bool) and hasattr(seq, "__index__"):
                 seq = (seq,)
-            out.append(check_doc_lengths(seq, f"sequences[{i}]"))
+            out.append(check_doc_lengths(seq, f"sequences[{i}]", f"sequences.{i}"))
     total = sum(sum(s) for s in out)
     if total > MAX_TOKENS:
-        raise ValueError(f"sequences sum to {total} tokens, above the limit {MAX_TOKENS}")
+        raise FieldError("sequences", f"sequences sum to {total} tokens, above the limit "
+                         f"{MAX_TOKENS}")
     return tuple(out)
 
 

@@ -13,7 +13,7 @@ fewer others). ``search="paper"``: every count is solved, the least total wins.
 ``search="portfolio"``: every count is screened by the least estimates of its
 static-degree groupings and one group, only the best count is solved (latency;
 portfolio.choose_split), and the bound it keeps within is the static baseline's total on
-its own best count, as compare.py measures it.
+its own best count, as reference_comparison.py measures it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from planner_service.fcp.baselines import SeqStats, serial_cost
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, FcpProfile, get_profile
 from planner_service.fcp.grouping import (
     Grouping,
@@ -37,6 +36,7 @@ from planner_service.fcp.grouping import (
 from planner_service.fcp.packing import balanced_pack, descending
 from planner_service.fcp.portfolio import choose_split, score_static, static_total
 from planner_service.fcp.requests import check_sequences
+from planner_service.fcp.seq_stats import SeqStats, serial_cost
 
 MAX_EXTRA_MICRO_BATCHES = 2
 """Micro-batch counts tried: the least that holds the tokens and the next two."""
@@ -160,7 +160,8 @@ def plan_checked(
         screen = {count: sum(best(s).found.makespan_ms for s in static[count])
                   for count in splits}
         count = min(splits, key=lambda c: (screen[c], c))
-        # The static baseline picks its own best count (compare.py), so the bound does too.
+        # The static reference picks its own best count (reference_comparison.py), so the
+        # bound does too.
         bound = min(static_total(stats, splits[c], static[c], num_ranks, memory_tokens, prof)
                     for c in splits)
         solved = {count: solve(count, static=static[count], bound=bound)}

@@ -24,18 +24,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from planner_service.core.errors import FieldError
 from planner_service.core.request import PlanRequest, debug_request
 from planner_service.core.validate import PlanError
 from planner_service.service import test_hooks
 from planner_service.service.metrics import ServiceMetrics
 from planner_service.service.pool import TaskExpired, WorkerDied, WorkerPool
-from planner_service.service.schemas import FieldError, field_of
 from planner_service.service.settings import Settings
-from planner_service.solvers.registry import timed_solve
+from planner_service.solvers.registry import strategies_of_complexity, timed_solve
 
 log = logging.getLogger("planner_service.service")
 
-WARM_STRATEGIES = ("flashcp", "llama3", "per_doc", "ring")
+WARM_STRATEGIES = tuple(sorted(strategies_of_complexity("linear", "heuristic")))
+"""Solved once on each worker at start: every strategy that answers in milliseconds."""
 WARM_TIMEOUT_S = 120.0
 """Deadline of one worker's warm-up (imports and one small solve per fast strategy)."""
 
@@ -70,7 +71,7 @@ def solve_in_worker(request: PlanRequest, max_plan_bytes: int | None = None
                     ) -> tuple[str, str, float, dict[str, Any]]:
     """Solve and serialise in the worker, so the event loop only moves a string.
 
-    Raises ValueError when the plan's JSON is above ``max_plan_bytes``.
+    Raises FieldError (``cp_size``) when the plan's JSON is above ``max_plan_bytes``.
     """
     test_hooks.install()
     solved = timed_solve(request)
@@ -80,10 +81,22 @@ def solve_in_worker(request: PlanRequest, max_plan_bytes: int | None = None
                 "est_step_ms": m.est_step_ms, "tokens_per_rank": m.tokens_per_rank}
     text = solved.plan.to_json()
     if max_plan_bytes is not None and len(text) > max_plan_bytes:
-        raise ValueError(f"cp_size: the plan is {len(text)} bytes of JSON, above the limit "
-                         f"{max_plan_bytes} (PLANNER_MAX_PLAN_BYTES); use fewer ranks or "
-                         "documents, or a strategy that splits fewer documents")
+        raise FieldError("cp_size", f"cp_size: the plan is {len(text)} bytes of JSON, above "
+                         f"the limit {max_plan_bytes} (PLANNER_MAX_PLAN_BYTES); use fewer "
+                         "ranks or documents, or a strategy that splits fewer documents")
     return text, solved.plan.plan_id, solved.solve_ms, headline
+
+
+def solver_error(exc: BaseException) -> BaseException:
+    """A solver's exception as callers see it: an expired task is DeadlineExceeded; a
+    ValueError the core raised without a field (every request check raises FieldError) is
+    a FieldError about the request as a whole (``body``); the rest (PlanError: a bug)
+    as raised."""
+    if isinstance(exc, TaskExpired):
+        return DeadlineExceeded(str(exc))
+    if isinstance(exc, ValueError) and not isinstance(exc, (FieldError, PlanError)):
+        return FieldError("body", str(exc))
+    return exc
 
 
 def warm_worker() -> int:
@@ -280,11 +293,7 @@ class Executor:
             return
         exc = raw.exception()
         if exc is not None:
-            if isinstance(exc, TaskExpired):
-                exc = DeadlineExceeded(str(exc))
-            elif isinstance(exc, ValueError) and not isinstance(exc, PlanError):
-                exc = FieldError(field_of(str(exc)), str(exc))
-            result.set_exception(exc)
+            result.set_exception(solver_error(exc))
             result.exception()  # mark retrieved: nobody may be waiting any more
             return
         plan_json, plan_id, solve_ms, headline = raw.result()
@@ -341,6 +350,11 @@ class Executor:
         raw = self._run(call_in_worker, fn, *args, timeout_s=timeout)
         try:
             return await wait_for(raw, timeout)
+        except Exception as exc:  # noqa: BLE001 - translated, then raised
+            translated = solver_error(exc)
+            if translated is exc:
+                raise
+            raise translated from None
         finally:
             if not raw.done() and isinstance(self._pool, WorkerPool):
                 raw.cancel()

@@ -8,26 +8,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner_service.core.errors import FieldError
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import canonical_json
 from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
 
 
 def build_request(payload: dict[str, Any]) -> ScheduleRequest:
-    """The ScheduleRequest of a JSON body; raises ValueError naming a bad or unknown field."""
+    """The ScheduleRequest of a JSON body; raises FieldError naming a bad or unknown field."""
     data = dict(payload)
+    known = ScheduleRequest.__dataclass_fields__
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise FieldError(unknown[0], f"{unknown[0]} is not a field of a schedule request; "
+                         f"valid: {', '.join(known)}")
     data["sequences"] = tuple(tuple(seq) for seq in data["sequences"])
     if isinstance(data.get("full_attention"), list):
         data["full_attention"] = tuple(data["full_attention"])
     if isinstance(data.get("model"), dict):
         data["model"] = ModelSpec.from_dict(data["model"])
-    try:
-        return ScheduleRequest(**data)
-    except TypeError as exc:  # an unexpected keyword: a field FCP does not know
-        raise ValueError(f"body: {exc}".replace("__init__() ", "")) from None
+    return ScheduleRequest(**data)
 
 
 def schedule_in_worker(payload: dict[str, Any]) -> str:
     """Run FCP on a validated /v1/schedule body (in a solver process): the result's
-    canonical JSON; raises ValueError for bad input."""
+    canonical JSON; raises FieldError for bad input."""
     return canonical_json(schedule(build_request(payload)).to_dict())

@@ -25,19 +25,13 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from planner_service.service.executor import DeadlineExceeded, SolveResult
+from planner_service.core.errors import FieldError
+from planner_service.service.executor import SolveResult, solver_error
 from planner_service.service.jobs import BatchEntry, JobStore
 from planner_service.service.metrics import ServiceMetrics
 from planner_service.service.ops import PlannerService
-from planner_service.service.pool import TaskExpired
 from planner_service.service.schedule_wire import ScheduleJson, request_hash, schedule_payload
-from planner_service.service.schemas import (
-    ErrorOut,
-    FieldError,
-    ScheduleRequestIn,
-    field_of,
-    refuse_sequence_flood,
-)
+from planner_service.service.schemas import ErrorOut, ScheduleRequestIn, refuse_sequence_flood
 
 STRATEGY_LABEL = "fcp"
 JSON = "application/json"
@@ -89,11 +83,7 @@ class GlobalJobs:
                 return
             exc = f.exception()
             if exc is not None:
-                if isinstance(exc, TaskExpired):
-                    exc = DeadlineExceeded(str(exc))
-                elif isinstance(exc, ValueError):
-                    exc = FieldError(field_of(str(exc)), str(exc))
-                result.set_exception(exc)
+                result.set_exception(solver_error(exc))
                 result.exception()  # mark retrieved: nobody may be waiting any more
                 return
             done, ms = f.result()

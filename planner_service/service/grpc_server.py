@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ValidationError
 
+from planner_service.core.errors import FieldError
 from planner_service.core.validate import PlanError
 from planner_service.proto_build import load
 from planner_service.service import global_jobs, grpc_wire
@@ -29,7 +30,6 @@ from planner_service.service.ops import PlannerService
 from planner_service.service.pool import WorkerDied
 from planner_service.service.schemas import (
     CompareRequestIn,
-    FieldError,
     PlanRequestIn,
     ScheduleRequestIn,
     check_json_depth,

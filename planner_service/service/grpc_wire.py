@@ -9,10 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from planner_service.service.schemas import FieldError
-
-MODEL_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "dtype_bytes", "hidden_size",
-                "ffn_hidden_size")
+from planner_service.core.errors import FieldError
 
 
 def request_to_dict(msg: Any) -> dict[str, Any]:
@@ -46,13 +43,14 @@ def request_to_dict(msg: Any) -> dict[str, Any]:
 
 
 def dict_to_request(pb2: Any, data: dict[str, Any]) -> Any:
-    """The PlanRequest message for a JSON body; raises ValueError for fields the proto
+    """The PlanRequest message for a JSON body; raises FieldError for a field the proto
     cannot carry (so the client fails loudly instead of sending something else)."""
     known = {"doc_lengths", "cp_size", "strategy", "context_length", "truncate",
              "imbalance_target", "comm_mode", "model", "kernel", "link", "options"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"request has fields the planner does not know: {unknown}")
+        raise FieldError(unknown[0], f"request has fields the planner does not know: "
+                         f"{unknown}")
     msg = pb2.PlanRequest(doc_lengths=list(data.get("doc_lengths", [])),
                           cp_size=int(data.get("cp_size", 0)))
     for name in ("strategy", "comm_mode", "kernel", "link"):

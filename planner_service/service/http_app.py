@@ -16,6 +16,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 
+from planner_service.core.errors import FieldError
 from planner_service.core.plan import canonical_json
 from planner_service.core.validate import PlanError
 from planner_service.service import global_jobs
@@ -28,7 +29,6 @@ from planner_service.service.schemas import (
     CompareOut,
     CompareRequestIn,
     ErrorOut,
-    FieldError,
     JobStatusOut,
     PlanOut,
     PlanRequestIn,

@@ -19,9 +19,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from planner_service.core.errors import FieldError
 from planner_service.service.executor import DeadlineExceeded, SolveResult, wait_for
 from planner_service.service.metrics import ServiceMetrics
-from planner_service.service.schemas import FieldError
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 ENTRY_OVERHEAD_BYTES = 512

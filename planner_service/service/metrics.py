@@ -12,7 +12,7 @@ REQUEST_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.
 
 
 class ServiceMetrics:
-    """The counters, gauges and histograms of DESIGN.md section 6, on a private registry."""
+    """The counters, gauges and histograms listed in docs/operations.md (Metrics), on a private registry."""
 
     content_type = CONTENT_TYPE_LATEST
 

@@ -11,6 +11,7 @@ import logging
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+from planner_service.core.errors import FieldError
 from planner_service.core.request import PlanRequest
 from planner_service.service import fcp_bridge
 from planner_service.service.executor import (
@@ -24,18 +25,20 @@ from planner_service.service.metrics import ServiceMetrics
 from planner_service.service.profiles import ProfileCatalog
 from planner_service.service.schemas import (
     CompareRequestIn,
-    FieldError,
     Limits,
     PlanRequestIn,
     ScheduleRequestIn,
     check_shards,
-    check_strategy,
-    field_of,
     request_key,
     to_plan_request,
 )
 from planner_service.service.settings import Settings
-from planner_service.solvers.registry import STRATEGIES, get_strategy, strategy_names
+from planner_service.solvers.registry import (
+    checked_strategy,
+    compared_options,
+    get_strategy,
+    strategy_names,
+)
 
 log = logging.getLogger("planner_service.service")
 
@@ -44,7 +47,7 @@ MAX_REPORTED_FALLBACKS = 1
 a client cannot inflate the counter (and fire alerts) faster than it sends requests."""
 
 
-class Comparison(NamedTuple):
+class StrategyComparison(NamedTuple):
     results: list[SolveResult]
     """One per strategy that gave a plan, in the order asked for."""
     errors: dict[str, str]
@@ -92,7 +95,7 @@ class PlannerService:
                 ) -> tuple[PlanRequest, str]:
         """Core request and its content hash; raises FieldError."""
         request = self._with_profile(to_plan_request(body, self.limits, strategy=strategy))
-        check_strategy(request)
+        checked_strategy(request)
         return request, request_key(request)
 
     def _with_profile(self, request: PlanRequest) -> PlanRequest:
@@ -109,34 +112,20 @@ class PlannerService:
         return await self.executor.solve(request, key, timeout_s)
 
     async def compare(self, body: CompareRequestIn, timeout_s: float | None = None
-                      ) -> Comparison:
+                      ) -> StrategyComparison:
         """Plan the same input with several strategies concurrently.
 
-        Each strategy gets the options it declares; an option no strategy declares is a
-        FieldError. Overload of any one makes the whole call Overloaded (back-pressure).
+        Each strategy gets the options it declares (registry.compared_options); an option
+        no strategy declares is a FieldError. Overload of any one makes the whole call
+        Overloaded (back-pressure).
         """
         names = body.strategies if body.strategies is not None else strategy_names()
-        if not names:
-            raise FieldError("strategies", "strategies must not be empty")
-        if len(set(names)) != len(names):
-            raise FieldError("strategies", f"strategies has duplicates: {names}")
-        for name in names:
-            try:
-                get_strategy(name)
-            except ValueError as exc:
-                raise FieldError("strategies", f"strategies: {exc}") from None
-        declared = {o for n in names for o in STRATEGIES[n].options}
-        unknown = sorted(set(body.options) - declared)
-        if unknown:
-            raise FieldError("options", f"options {unknown} are not options of any of the "
-                             f"strategies {names}")
+        compared_options(names, body.options)
         base = self._with_profile(to_plan_request(body, self.limits, strategy=names[0]))
         deadline = self.executor.timeout_for(timeout_s, base)
         submitted: list[tuple[str, asyncio.Future[SolveResult]]] = []
         try:
-            for name in names:
-                options = {k: v for k, v in base.options.items()
-                           if k in STRATEGIES[name].options}
+            for name, options in compared_options(names, base.options).items():
                 request = replace(base, strategy=name, options=options)
                 key = request_key(request)
                 submitted.append((key, self.executor.submit(request, key, deadline)))
@@ -156,18 +145,14 @@ class PlannerService:
                 errors[name] = str(outcome)
             else:
                 raise outcome
-        return Comparison(results, errors)
+        return StrategyComparison(results, errors)
 
     async def schedule(self, body: ScheduleRequestIn, timeout_s: float | None = None
                        ) -> tuple[str, float]:
         """FCP scheduling of a batch of sequences; returns (result JSON, solve ms)."""
         payload = self.schedule_payload(body)
-        try:
-            text, ms = await self.executor.call(fcp_bridge.schedule_in_worker, payload,
-                                                timeout_s=timeout_s)
-        except ValueError as exc:
-            raise FieldError(field_of(str(exc)), str(exc)) from None
-        return text, ms
+        return await self.executor.call(fcp_bridge.schedule_in_worker, payload,
+                                        timeout_s=timeout_s)
 
     def schedule_payload(self, body: ScheduleRequestIn) -> dict[str, Any]:
         """The scheduler's input for a /v1/schedule body within this service's limits;
@@ -232,7 +217,7 @@ class PlannerService:
                 min(count, MAX_REPORTED_FALLBACKS))
 
 
-__all__ = ["Comparison", "DeadlineExceeded", "Overloaded",
+__all__ = ["DeadlineExceeded", "Overloaded", "StrategyComparison",
            "PlannerService", "SolveResult"]
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from planner_service.core.errors import FieldError
 from planner_service.fcp.cost_model import PROFILES, FcpProfile, load_profile
-from planner_service.service.schemas import FieldError
 
 
 class ProfileCatalog:

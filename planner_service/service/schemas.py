@@ -15,25 +15,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from planner_service.core.model import ModelSpec
+from planner_service.core.errors import FieldError
+from planner_service.core.model import DTYPE_BYTES, MAX_DIM, ModelSpec
 from planner_service.core.plan import canonical_json
 from planner_service.core.profiles import default_kernel_name
-from planner_service.core.request import COMM_MODES, MAX_CP_SIZE, MAX_TOKENS, PlanRequest
+from planner_service.core.request import (
+    COMM_MODES,
+    MAX_CP_SIZE,
+    MAX_TOKENS,
+    PlanRequest,
+    check_time_limit,
+)
 from planner_service.service.settings import Settings
 from planner_service.solvers.registry import checked_strategy
-
-REQUEST_FIELDS = (
-    "doc_lengths", "cp_size", "strategy", "context_length", "truncate", "imbalance_target",
-    "comm_mode", "model", "kernel", "link", "options", "strategies", "sequences",
-)
-
-
-class FieldError(ValueError):
-    """Bad input, with the (dotted) name of the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 def refuse_sequence_flood(raw: bytes | str, limit: int) -> None:
@@ -113,16 +107,16 @@ class ModelSpecIn(BaseModel):
     """Transformer layer shape; unset fields take the Llama-3-8B defaults."""
 
     model_config = ConfigDict(extra="forbid")
-    num_heads: StrictInt | None = Field(None, ge=1, le=1 << 20)
-    num_kv_heads: StrictInt | None = Field(None, ge=1, le=1 << 20)
-    head_dim: StrictInt | None = Field(None, ge=1, le=1 << 20)
-    dtype_bytes: StrictInt | None = Field(None, ge=1, le=8)
-    hidden_size: StrictInt | None = Field(None, ge=1, le=1 << 20)
-    ffn_hidden_size: StrictInt | None = Field(None, ge=1, le=1 << 20)
+    num_heads: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
+    num_kv_heads: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
+    head_dim: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
+    dtype_bytes: StrictInt | None = Field(None, ge=1, le=max(DTYPE_BYTES))
+    hidden_size: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
+    ffn_hidden_size: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
 
 
 class PlanRequestIn(BaseModel):
-    """One packed sequence to shard over ``cp_size`` ranks (DESIGN.md section 5)."""
+    """One packed sequence to shard over ``cp_size`` ranks (docs/plan.md, Requests)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"doc_lengths": [4099, 37, 1023, 8191, 1, 511, 2047, 3001, 17, 6143, 733, 97, 5000],
@@ -231,22 +225,6 @@ class ErrorOut(BaseModel):
 
 # ---- conversion -------------------------------------------------------------------------
 
-_LEADING_FIELD = re.compile(r"^(?:options )?([a-z_]+(?:\.[a-z_]+)?)")
-
-
-def field_of(message: str) -> str:
-    """Best guess of the request field a core ValueError message is about."""
-    match = _LEADING_FIELD.match(message)
-    if match is None:
-        return "body"
-    name = match.group(1)
-    if name.split(".")[0] in REQUEST_FIELDS:
-        return name
-    if message.startswith("doc of length") or message.startswith("options"):
-        return "doc_lengths" if message.startswith("doc") else "options"
-    return "body"
-
-
 def validation_message(exc: ValidationError) -> FieldError:
     """The first pydantic error as a FieldError: 'doc_lengths.3: Input should be ...'."""
     err = exc.errors(include_url=False)[0]
@@ -256,7 +234,8 @@ def validation_message(exc: ValidationError) -> FieldError:
 
 def to_plan_request(body: PlanRequestIn, limits: Limits, *, strategy: str | None = None,
                     ) -> PlanRequest:
-    """Apply the operator's limits and build the core request; raises FieldError."""
+    """Apply the operator's limits and build the core request (whose own checks raise
+    the FieldErrors of everything else); raises FieldError."""
     n = len(body.doc_lengths)
     if n > limits.max_docs:
         raise FieldError("doc_lengths", f"doc_lengths has {n} documents, above the limit "
@@ -269,23 +248,17 @@ def to_plan_request(body: PlanRequestIn, limits: Limits, *, strategy: str | None
         raise FieldError("cp_size", f"cp_size must be in [1, {limits.max_cp_size}] "
                          f"(PLANNER_MAX_CP_SIZE), got {body.cp_size}")
     check_shards(n, body.cp_size, limits, "cp_size")
-    limit = body.options.get("time_limit_s")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
-                              or not 0 < limit <= limits.max_time_limit_s):
-        raise FieldError("options.time_limit_s", f"options.time_limit_s must be a number in "
-                         f"(0, {limits.max_time_limit_s}] (PLANNER_MAX_TIME_LIMIT_S), "
-                         f"got {limit!r}")
-    try:
-        model = ModelSpec(**body.model.model_dump(exclude_none=True)) if body.model else ModelSpec()
-        return PlanRequest(
-            doc_lengths=tuple(body.doc_lengths), cp_size=body.cp_size,
-            strategy=strategy or body.strategy, context_length=body.context_length,
-            truncate=body.truncate, imbalance_target=body.imbalance_target,
-            comm_mode=body.comm_mode, model=model, kernel=body.kernel, link=body.link,
-            options=dict(body.options),
-        )
-    except ValueError as exc:
-        raise FieldError(field_of(str(exc)), str(exc)) from None
+    if "time_limit_s" in body.options:  # a strategy's own limit, within the operator's
+        check_time_limit(body.options["time_limit_s"], "options.time_limit_s",
+                         limits.max_time_limit_s, "PLANNER_MAX_TIME_LIMIT_S")
+    model = ModelSpec(**body.model.model_dump(exclude_none=True)) if body.model else ModelSpec()
+    return PlanRequest(
+        doc_lengths=tuple(body.doc_lengths), cp_size=body.cp_size,
+        strategy=strategy or body.strategy, context_length=body.context_length,
+        truncate=body.truncate, imbalance_target=body.imbalance_target,
+        comm_mode=body.comm_mode, model=model, kernel=body.kernel, link=body.link,
+        options=dict(body.options),
+    )
 
 
 def check_shards(docs: int, ranks: int, limits: Limits, field: str) -> None:
@@ -297,15 +270,6 @@ def check_shards(docs: int, ranks: int, limits: Limits, field: str) -> None:
                          "(PLANNER_MAX_SHARDS); send fewer documents or ranks")
 
 
-def check_strategy(request: PlanRequest) -> None:
-    """Reject an unknown strategy or an option it does not declare, before any queueing."""
-    try:
-        checked_strategy(request)
-    except ValueError as exc:
-        raise FieldError("options" if str(exc).startswith("options") else "strategy",
-                         str(exc)) from None
-
-
 def parse_plan_request(data: Any, limits: Limits) -> PlanRequest:
     """Validate a JSON-like dict (the gRPC edge's path); raises FieldError."""
     try:
@@ -313,7 +277,7 @@ def parse_plan_request(data: Any, limits: Limits) -> PlanRequest:
     except ValidationError as exc:
         raise validation_message(exc) from None
     request = to_plan_request(body, limits)
-    check_strategy(request)
+    checked_strategy(request)
     return request
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from planner_service.core.build import Layout
+from planner_service.core.errors import FieldError
 from planner_service.core.request import PlanRequest
 
 ENV = "PLANNER_TEST_HOOKS"
@@ -29,7 +30,7 @@ def hang_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
 
     seconds = request.options.get("seconds", 3600.0)
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
-        raise ValueError(f"options.seconds must be a number >= 0, got {seconds!r}")
+        raise FieldError("options.seconds", f"options.seconds must be a number >= 0, got {seconds!r}")
     end = time.monotonic() + float(seconds)
     while time.monotonic() < end:
         time.sleep(min(0.05, max(0.0, end - time.monotonic())))

@@ -7,26 +7,28 @@ from an intra-group strategy of the registry (flashcp by default).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from planner_service.core.build import Layout, build_plan
+from planner_service.core.errors import FieldError
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Plan
-from planner_service.core.profiles import default_kernel_name, get_kernel_profile, get_link_profile
+from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import (
     DEFAULT_IMBALANCE_TARGET,
     MAX_CP_SIZE,
     MAX_TOKENS,
+    check_imbalance_target,
     check_int,
+    check_profile_names,
 )
 from planner_service.core.validate import validate_plan
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, FcpProfile, get_profile
-from planner_service.fcp.grouping import METHODS, SEARCHES
-from planner_service.fcp.layout import place_groups
+from planner_service.fcp.grouping import check_options
+from planner_service.fcp.placement import place_groups
 from planner_service.fcp.requests import (
     FcpResult,
     MicroBatchSchedule,
@@ -42,7 +44,7 @@ from planner_service.solvers.registry import get_strategy
 class ScheduleRequest:
     """A batch of sequences to schedule on ``num_ranks`` model replicas (FCP).
 
-    Raises ValueError naming the field for any invalid value.
+    Raises FieldError (a ValueError) naming the field for any invalid value.
     """
 
     sequences: tuple[tuple[int, ...], ...]
@@ -78,38 +80,35 @@ class ScheduleRequest:
         check_int(self.num_ranks, "num_ranks", 1, MAX_CP_SIZE)
         check_int(self.memory_tokens, "memory_tokens", 1, MAX_TOKENS)
         if not isinstance(self.strategy, str) or self.strategy == "fcp":
-            raise ValueError(f"strategy must be an intra-group strategy name (not fcp), got {self.strategy!r}")
-        get_strategy(self.strategy)  # ValueError naming the valid strategies
+            raise FieldError("strategy", f"strategy must be an intra-group strategy name "
+                             f"(not fcp), got {self.strategy!r}")
+        get_strategy(self.strategy)  # FieldError naming the valid strategies
         try:
             get_profile(self.profile)
         except ValueError as exc:
-            raise ValueError(f"profile: {exc}") from None
+            raise FieldError("profile", f"profile: {exc}") from None
         flags = self.full_attention
         if isinstance(flags, (str, bytes)) or not isinstance(flags, Sequence):
-            raise ValueError("full_attention must be a list of true/false, one per sequence")
+            raise FieldError("full_attention",
+                             "full_attention must be a list of true/false, one per sequence")
         if flags and len(flags) != len(self.sequences):
-            raise ValueError(
-                f"full_attention must be empty or have one entry per sequence "
-                f"({len(self.sequences)}), got {len(flags)}"
-            )
-        if any(not isinstance(f, bool) for f in flags):
-            raise ValueError("full_attention entries must be true or false")
+            raise FieldError("full_attention", f"full_attention must be empty or have one entry "
+                             f"per sequence ({len(self.sequences)}), got {len(flags)}")
+        for i, flag in enumerate(flags):
+            if not isinstance(flag, bool):
+                raise FieldError(f"full_attention.{i}",
+                                 f"full_attention[{i}] must be true or false, got {flag!r}")
         object.__setattr__(self, "full_attention", tuple(flags))
-        if self.search not in SEARCHES:
-            raise ValueError(f"search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        check_options(self.search, self.method)
         if self.micro_batches is not None:
             check_int(self.micro_batches, "micro_batches", 1, len(self.sequences))
         if not isinstance(self.build_plans, bool):
-            raise ValueError(f"build_plans must be true or false, got {self.build_plans!r}")
+            raise FieldError("build_plans",
+                             f"build_plans must be true or false, got {self.build_plans!r}")
         if not isinstance(self.model, ModelSpec):
-            raise ValueError("model must be a ModelSpec")
-        get_kernel_profile(self.kernel)
-        get_link_profile(self.link)
-        r = self.imbalance_target
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 1 <= r <= 100:
-            raise ValueError(f"imbalance_target must be a number in [1, 100], got {r!r}")
+            raise FieldError("model", "model must be a ModelSpec")
+        check_profile_names(self.kernel, self.link)
+        check_imbalance_target(self.imbalance_target)
 
 
 def micro_batch_plan(

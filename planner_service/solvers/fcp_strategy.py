@@ -21,11 +21,13 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from planner_service.core.build import GroupLayout, Layout
+from planner_service.core.errors import FieldError
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Shard
 from planner_service.core.request import MAX_TOKENS, PlanRequest, check_int
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, get_profile
-from planner_service.fcp.layout import place_groups
+from planner_service.fcp.grouping import check_options, memory_error
+from planner_service.fcp.placement import place_groups
 from planner_service.fcp.schedule import plan_global_batch
 
 OPTIONS = {
@@ -51,7 +53,7 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
                lookup: Callable[[str], Intra]) -> Layout:
     """FCP over the docs of one packed sequence (module docstring).
 
-    Raises ValueError naming the option for bad options, or saying how much memory is
+    Raises FieldError naming the option for bad options, or saying how much memory is
     missing when ``memory_tokens * cp_size`` cannot hold the sequence.
     """
     n = request.cp_size
@@ -59,18 +61,23 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
     opts = request.options
     memory = opts.get("memory_tokens", 2 * -(-total // n))
     check_int(memory, "options.memory_tokens", 1, MAX_TOKENS)
+    if total > n * memory:  # one micro-batch: the whole sequence on N ranks of E tokens
+        raise memory_error(total, n, memory, "options.memory_tokens: the packed sequence",
+                           "options.memory_tokens")
     intra = opts.get("intra", "flashcp")
     if intra == "fcp" or not isinstance(intra, str):
-        raise ValueError(f"options.intra must be a strategy other than fcp, got {intra!r}")
+        raise FieldError("options.intra", f"options.intra must be a strategy other than fcp, "
+                         f"got {intra!r}")
     try:
         profile = get_profile(opts.get("profile", DEFAULT_PROFILE))
     except ValueError as exc:
-        raise ValueError(f"options.profile: {exc}") from None
+        raise FieldError("options.profile", f"options.profile: {exc}") from None
     try:
         strategy = lookup(intra)
     except ValueError as exc:
-        raise ValueError(f"options.intra: {exc}") from None
+        raise FieldError("options.intra", f"options.intra: {exc}") from None
     search = opts.get("search", "portfolio")
+    check_options(search, "dp", prefix="options.")
     sequences = [(length,) for length in doc_lengths]
     found = plan_global_batch(
         sequences, num_ranks=n, memory_tokens=memory, profile=profile, search=search,

@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from planner_service.core.build import Layout, build_plan
+from planner_service.core.errors import FieldError
 from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
 from planner_service.core.validate import validate_plan
@@ -33,6 +34,10 @@ class Strategy:
     """The exchange this strategy's runtime uses unless the request overrides it."""
     options: Mapping[str, str] = field(default_factory=dict)
     """Strategy-specific request options: name -> description."""
+    complexity: str = "search"
+    """How its solve time grows: ``linear`` (fixed chunks, O(documents + ranks) on any
+    input), ``heuristic`` (milliseconds on small inputs) or ``search`` (up to seconds: a
+    solver, a portfolio or a search over other strategies)."""
     load: Callable[[], object] | None = None
     """Imports a slow strategy's module (``prepare``); None: imported with the registry."""
 
@@ -106,18 +111,21 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
         "full all-gather",
         solver=llama3_layout,
         comm_mode="full",
+        complexity="linear",
     ),
     Strategy(
         name="per_doc",
         description="Per-Doc CP (WLB-LLM): every doc in 2N chunks, zigzag per doc; full all-gather",
         solver=per_doc_layout,
         comm_mode="full",
+        complexity="heuristic",
     ),
     Strategy(
         name="ring",
         description="Ring attention: packed sequence in N contiguous chunks; P2P ring exchange",
         solver=ring_layout,
         comm_mode="p2p_ring",
+        complexity="linear",
     ),
     Strategy(
         name="zigzag",
@@ -125,6 +133,7 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
         "exchange",
         solver=per_doc_layout,
         comm_mode="p2p_ring",
+        complexity="heuristic",
     ),
     Strategy(
         name="flashcp",
@@ -133,6 +142,7 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
         "at imbalance <= R (default all-to-all-v)",
         solver=flashcp_layout,
         comm_mode="alltoallv",
+        complexity="heuristic",
     ),
     Strategy(
         name="flashcp_paper",
@@ -140,6 +150,7 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
         "Per-Doc for the longest docs until imbalance <= R; compact all-gather",
         solver=paper_layout,
         comm_mode="compact_allgather",
+        complexity="heuristic",
     ),
     Strategy(
         name="ilp",
@@ -182,27 +193,55 @@ def add_test_strategy(strategy: Strategy) -> None:
 def checked_strategy(request: PlanRequest) -> Strategy:
     """The request's strategy, after checking that it exists and declares every option the
     request sets (the one place this is checked: the library, the service's edges and the
-    client's fallback all come here). Raises ValueError naming the strategy or options."""
+    client's fallback all come here). Raises FieldError (``strategy`` or ``options``)."""
     strategy = get_strategy(request.strategy)
     unknown = sorted(set(request.options) - set(strategy.options))
     if unknown:
-        raise ValueError(f"options {unknown} are not options of strategy {strategy.name!r}; "
-                         f"valid: {sorted(strategy.options) or 'none'}")
+        raise FieldError("options", f"options {unknown} are not options of strategy "
+                         f"{strategy.name!r}; valid: {sorted(strategy.options) or 'none'}")
     return strategy
 
 
+def compared_options(names: Sequence[str], options: Mapping[str, Any]
+                     ) -> dict[str, dict[str, Any]]:
+    """For a comparison of ``names`` on one request: each strategy's share of ``options``
+    (those it declares), in the order given. The one check of a comparison (the service's
+    edges and the client's embedded back end come here): raises FieldError
+    (``strategies``) for no, repeated or unknown names, and (``options``) for an option
+    none of them declares."""
+    if not names:
+        raise FieldError("strategies", "strategies must not be empty")
+    if len(set(names)) != len(names):
+        raise FieldError("strategies", f"strategies has duplicates: {list(names)}")
+    for name in names:
+        if name not in STRATEGIES:
+            raise FieldError("strategies", f"strategies: strategy {name!r} is unknown; valid: "
+                             f"{', '.join(sorted(STRATEGIES))}")
+    declared = {o for n in names for o in STRATEGIES[n].options}
+    unknown = sorted(set(options) - declared)
+    if unknown:
+        raise FieldError("options", f"options {unknown} are not options of any of the "
+                         f"strategies {list(names)}")
+    return {n: {k: v for k, v in options.items() if k in STRATEGIES[n].options}
+            for n in names}
+
+
 def get_strategy(name: str) -> Strategy:
-    """Look up a strategy; raises ValueError listing the valid names."""
+    """Look up a strategy; raises FieldError (``strategy``) listing the valid names."""
     try:
         return STRATEGIES[name]
-    except KeyError:
-        raise ValueError(
-            f"strategy {name!r} is unknown; valid: {', '.join(sorted(STRATEGIES))}"
-        ) from None
+    except (KeyError, TypeError):
+        raise FieldError("strategy", f"strategy {name!r} is unknown; valid: "
+                         f"{', '.join(sorted(STRATEGIES))}") from None
 
 
 def strategy_names() -> list[str]:
     return sorted(STRATEGIES)
+
+
+def strategies_of_complexity(*kinds: str) -> frozenset[str]:
+    """The names of the strategies whose ``complexity`` is one of ``kinds``."""
+    return frozenset(s.name for s in STRATEGIES.values() if s.complexity in kinds)
 
 
 def prepare(name: str) -> None:
@@ -216,7 +255,7 @@ def prepare(name: str) -> None:
 def solve(request: PlanRequest, *, check: bool = True) -> Plan:
     """Plan one request: truncate explicitly if asked, run the strategy, measure, validate.
 
-    Raises ValueError for bad input (unknown strategy, bad options) and PlanError if the
+    Raises FieldError for bad input (unknown strategy, bad options) and PlanError if the
     strategy produced an invalid plan (a bug; ``check=False`` skips that self-check).
     """
     strategy = checked_strategy(request)

@@ -26,14 +26,14 @@ saving could still rise), plus the block count and the limits used.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.cost import doc_workload, imbalance
+from planner_service.core.errors import FieldError
 from planner_service.core.plan import Shard
-from planner_service.core.request import PlanRequest
+from planner_service.core.request import PlanRequest, check_time_limit
 from planner_service.solvers.flashcp import flashcp_shards
 from planner_service.solvers.ilp import cpsat
 from planner_service.solvers.ilp.blocks import (
@@ -105,37 +105,41 @@ class IlpResult(NamedTuple):
 
 
 def parse_options(options: Mapping[str, Any], doc_lengths: Sequence[int], num_ranks: int) -> IlpOptions:
-    """Validate the ilp options; raise ValueError naming the option and its allowed range."""
+    """Validate the ilp options; raise FieldError naming the option and its allowed range."""
     longest = max(doc_lengths)
     g = options.get("granularity", min(DEFAULT_GRANULARITY, longest))
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-        raise ValueError(f"options.granularity must be an integer >= 1, got {g!r}")
+        raise FieldError("options.granularity",
+                         f"options.granularity must be an integer >= 1, got {g!r}")
     if g > longest:
-        raise ValueError(
+        raise FieldError(
+            "options.granularity",
             f"options.granularity {g} is larger than the longest doc ({longest} tokens): every "
             f"doc would be one block; use a granularity of at most {longest}"
         )
-    limit = options.get("time_limit_s", DEFAULT_TIME_LIMIT_S)
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) \
-            or limit <= 0:
-        raise ValueError(f"options.time_limit_s must be a number > 0, got {limit!r}")
+    limit = check_time_limit(options.get("time_limit_s", DEFAULT_TIME_LIMIT_S),
+                             "options.time_limit_s")
     objective = options.get("objective", "comm")
     if objective not in OBJECTIVES:
-        raise ValueError(f"options.objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        raise FieldError("options.objective", f"options.objective must be one of "
+                         f"{', '.join(OBJECTIVES)}, got {objective!r}")
     workers = options.get("workers", DEFAULT_WORKERS)
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise ValueError(f"options.workers must be an integer in [1, {MAX_WORKERS}], got {workers!r}")
+        raise FieldError("options.workers", f"options.workers must be an integer in "
+                         f"[1, {MAX_WORKERS}], got {workers!r}")
     # Blocks per doc: L / g plus the geometric head (log2 g) plus a few reference cuts.
     approx_blocks = sum(-(-length // g) + min(length, g).bit_length() + 1 for length in doc_lengths)
     if approx_blocks * num_ranks > MAX_MODEL_BOOLS:
-        raise ValueError(
+        raise FieldError(
+            "options.granularity",
             f"options.granularity {g} makes about {approx_blocks} blocks x {num_ranks} ranks, above "
             f"the limit of {MAX_MODEL_BOOLS} placement variables; raise the granularity"
         )
     heads = options.get("head_docs", HEAD_DOCS_PER_RANK * num_ranks)
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 0:
-        raise ValueError(f"options.head_docs must be an integer >= 0, got {heads!r}")
-    return IlpOptions(g, float(min(limit, MAX_TIME_LIMIT_S)), objective, workers, heads)
+        raise FieldError("options.head_docs",
+                         f"options.head_docs must be an integer >= 0, got {heads!r}")
+    return IlpOptions(g, min(limit, MAX_TIME_LIMIT_S), objective, workers, heads)
 
 
 def head_docs(doc_lengths: Sequence[int], cuts: Mapping[int, set[int]], longest: int) -> set[int]:
@@ -149,8 +153,9 @@ def workload_cap(doc_lengths: Sequence[int], num_ranks: int, target: float) -> i
     """The largest per-rank workload w with imbalance w N / W <= R, computed with the same
     float arithmetic as ``cost.imbalance`` so a plan within the cap passes R exactly.
 
-    Raises ValueError if R is below what integer workloads allow: some rank carries at
-    least ceil(W / N) and the rank holding the last token of the longest doc at least L.
+    Raises FieldError (``imbalance_target``) if R is below what integer workloads allow:
+    some rank carries at least ceil(W / N) and the rank holding the last token of the
+    longest doc at least L.
     """
     total = sum(doc_workload(length) for length in doc_lengths)
     floor = max(-(-total // num_ranks), max(doc_lengths))
@@ -160,7 +165,8 @@ def workload_cap(doc_lengths: Sequence[int], num_ranks: int, target: float) -> i
     while (cap + 1) * num_ranks / total <= target:
         cap += 1
     if cap < floor:
-        raise ValueError(
+        raise FieldError(
+            "imbalance_target",
             f"imbalance_target {target} is below what integer tokens allow for these docs: the "
             f"busiest rank carries at least {floor} query-key pairs, imbalance "
             f"{floor * num_ranks / total:.6f}; raise imbalance_target"
@@ -176,8 +182,8 @@ def solve_blocks(
 
     ``tuning`` defaults to this module's ``TUNING``, read at every solve.
 
-    Raises ValueError if R is below what integer tokens allow, or if CP-SAT proves that no
-    placement at this granularity meets R.
+    Raises FieldError (``imbalance_target``) if R is below what integer tokens allow, or if
+    CP-SAT proves that no placement at this granularity meets R.
     """
     n = num_ranks
     cp = Cp.start(options.workers, options.time_limit_s, TUNING if tuning is None else tuning)
@@ -216,7 +222,8 @@ def solve_blocks(
             bm = model()
             run = cpsat.run(bm, bm.comm_max, options.time_limit_s, cp)
         if run.status == "INFEASIBLE":
-            raise ValueError(
+            raise FieldError(
+                "imbalance_target",
                 f"imbalance_target {target} cannot be met with granularity {options.granularity}: "
                 f"CP-SAT proved that no placement of these blocks reaches it (flashcp reaches "
                 f"{imbalance(hint_loads):.4f}); raise imbalance_target or lower the granularity"

@@ -74,7 +74,7 @@ def summarize(
     )
 
 
-def compare(
+def summarize_strategies(
     strategies: Sequence[str],
     sequences: Sequence[Sequence[int]],
     base: PlanRequest,

@@ -1,9 +1,9 @@
-"""FCP against the baselines on one global batch, on the FCP cost model.
+"""FCP against the reference schedules on one global batch, on the FCP cost model.
 
 Every method sees the same micro-batch splits (schedule.split_micro_batches) and picks
 its own best count among the least that holds the batch and the next three, so a
 baseline is not penalised by FCP's choice of count. Static: the best power-of-two degree
-for the whole batch; greedy: the power-of-two hybrid-CP greedy (baselines.py).
+for the whole batch; greedy: the power-of-two hybrid-CP greedy (reference_schedules.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from planner_service.fcp.baselines import best_static, pow2_greedy_schedule
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, FcpProfile, get_profile
+from planner_service.fcp.reference_schedules import best_static, pow2_greedy_schedule
 from planner_service.fcp.requests import check_sequences
 from planner_service.fcp.schedule import (
     MAX_EXTRA_MICRO_BATCHES,
@@ -23,7 +23,7 @@ from planner_service.fcp.schedule import (
 )
 
 
-class Comparison(NamedTuple):
+class FcpComparison(NamedTuple):
     """Estimated makespans (sum over micro-batches, ms per layer fwd+bwd)."""
 
     fcp_ms: float
@@ -44,7 +44,7 @@ class Comparison(NamedTuple):
         return self.greedy_ms / self.fcp_ms
 
 
-def compare_with_baselines(
+def compare_with_references(
     sequences: Sequence[Sequence[int] | int],
     *,
     num_ranks: int,
@@ -52,7 +52,7 @@ def compare_with_baselines(
     profile: str | FcpProfile = DEFAULT_PROFILE,
     full_attention: Sequence[bool] = (),
     search: str = "portfolio",
-) -> Comparison:
+) -> FcpComparison:
     """FCP (its own count choice) vs best static degree vs power-of-two greedy.
 
     Raises ValueError like ``plan_global_batch`` when the memory cannot hold a sequence.
@@ -80,8 +80,8 @@ def compare_with_baselines(
         )
         if greedy is None or total < greedy[0]:
             greedy = (total, len(split))
-    assert static is not None and greedy is not None, "FCP found a split, so do the baselines"
-    return Comparison(
+    assert static is not None and greedy is not None, "FCP found a split, so do the references"
+    return FcpComparison(
         fcp_ms=fcp.makespan_ms, fcp_micro_batches=len(fcp.micro_batches),
         static_ms=static[0], static_degree=static[1], static_micro_batches=static[2],
         greedy_ms=greedy[0], greedy_micro_batches=greedy[1], fcp=fcp,

@@ -1,4 +1,5 @@
-"""Baselines FCP is compared with, on the same micro-batches and the same cost model.
+"""Reference schedules FCP is compared with (reference_comparison.py), and which its
+portfolio also tries as candidates: the same micro-batches, the same cost model.
 
 * ``static_schedule`` / ``best_static``: one CP degree c (a power of two) for the whole
   global batch, as DeepSpeed-Ulysses or Megatron-LM would be tuned: N // c groups of c
@@ -21,20 +22,10 @@ import heapq
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
-
 from planner_service.fcp.bfd import min_degrees
 from planner_service.fcp.cost_model import FcpProfile, group_time
 from planner_service.fcp.packing import balanced_pack, descending
-
-
-class SeqStats(NamedTuple):
-    """Per-sequence figures the cost model needs (index = sequence id in the batch)."""
-
-    tokens: np.ndarray
-    """Tokens per sequence (int64)."""
-    units: np.ndarray
-    """Attention units W = (1 + eta) sum L^2 per sequence (float64)."""
+from planner_service.fcp.seq_stats import SeqStats, serial_cost
 
 
 class Wave(NamedTuple):
@@ -44,18 +35,13 @@ class Wave(NamedTuple):
     makespan_ms: float
 
 
-class BaselineSchedule(NamedTuple):
+class ReferenceSchedule(NamedTuple):
     name: str
     waves: tuple[Wave, ...]
 
     @property
     def makespan_ms(self) -> float:
         return sum(w.makespan_ms for w in self.waves)
-
-
-def serial_cost(stats: SeqStats, profile: FcpProfile) -> np.ndarray:
-    """Variable compute of each sequence on one rank (eq. 8 without beta1): LPT weights."""
-    return profile.alpha1 * stats.units + profile.alpha2 * stats.tokens
 
 
 def _time(stats: SeqStats, members: Sequence[int], degree: int, profile: FcpProfile) -> float:
@@ -101,7 +87,7 @@ def static_groupings(
 def static_schedule(
     stats: SeqStats, items: Sequence[int], num_ranks: int, memory_tokens: int,
     profile: FcpProfile, degree: int,
-) -> BaselineSchedule | None:
+) -> ReferenceSchedule | None:
     """Static degree ``degree``: waves of N // degree balanced groups (static_groupings);
     None if a sequence needs more than ``degree`` ranks of memory."""
     if any(int(stats.tokens[i]) > degree * memory_tokens for i in items):
@@ -112,18 +98,18 @@ def static_schedule(
         members, left = static_groupings(stats, left, num_ranks, memory_tokens, profile,
                                          (degree,))[degree]
         waves.append(_wave(stats, [(m, degree) for m in members], profile))
-    return BaselineSchedule(f"static-{degree}", tuple(waves))
+    return ReferenceSchedule(f"static-{degree}", tuple(waves))
 
 
 def best_static(
     stats: SeqStats, micro_batches: Sequence[Sequence[int]], num_ranks: int,
     memory_tokens: int, profile: FcpProfile,
-) -> tuple[int, list[BaselineSchedule]]:
+) -> tuple[int, list[ReferenceSchedule]]:
     """The power-of-two degree with the least total makespan over all micro-batches.
 
     Raises ValueError if no power of two <= N holds the longest sequence.
     """
-    best: tuple[float, int, list[BaselineSchedule]] | None = None
+    best: tuple[float, int, list[ReferenceSchedule]] | None = None
     for degree in powers_of_two(num_ranks):
         schedules = [
             static_schedule(stats, mb, num_ranks, memory_tokens, profile, degree)
@@ -151,7 +137,7 @@ def _pow2_at_least(value: int, num_ranks: int) -> int:
 def pow2_greedy_schedule(
     stats: SeqStats, items: Sequence[int], num_ranks: int, memory_tokens: int,
     profile: FcpProfile,
-) -> BaselineSchedule:
+) -> ReferenceSchedule:
     """Megatron-style hybrid CP greedy (module docstring). Raises ValueError if a sequence
     needs more than N ranks of memory."""
     need = min_degrees(stats.tokens, memory_tokens)
@@ -208,4 +194,4 @@ def pow2_greedy_schedule(
             free -= degree[g]
             degree[g] *= 2
         waves.append(_wave(stats, list(zip(groups, degree, strict=True)), profile))
-    return BaselineSchedule("pow2-greedy", tuple(waves))
+    return ReferenceSchedule("pow2-greedy", tuple(waves))
