@@ -112,6 +112,7 @@ def test_serve_names_the_flag_of_a_taken_grpc_port(no_server, taken_port):
     (["serve", "--http-port", "70000"], {}, "--http-port or PLANNER_HTTP_PORT"),
     (["serve"], {"PLANNER_WORKERS": "many"}, "--workers or PLANNER_WORKERS"),
     (["serve"], {"PLANNER_MAX_TOKENS": "-5"}, "PLANNER_MAX_TOKENS"),
+    (["serve"], {"PLANNER_KERNEL_PROFILE": "bogus"}, "PLANNER_KERNEL_PROFILE"),
     (["serve", "--host", "no-such-host.invalid", "--http-port", "0"], {}, "--host"),
 ])
 def test_serve_names_the_setting_to_change(no_server, args, env, names):

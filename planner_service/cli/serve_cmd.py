@@ -78,6 +78,7 @@ def serve(
     """
     from pydantic import ValidationError
 
+    from planner_service.core.profiles import default_kernel_profile
     from planner_service.service.server import run
     from planner_service.service.settings import load_settings
 
@@ -89,6 +90,10 @@ def serve(
         settings = load_settings(**overrides)
     except ValidationError as exc:
         raise fail(settings_error(exc)) from None
+    try:  # a request that names no kernel resolves it; a bad name must stop the start
+        default_kernel_profile()
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     check_port(settings.host, settings.http_port, "HTTP", "http_port")
     if settings.grpc_enabled:
         if settings.grpc_port == settings.http_port != 0:
