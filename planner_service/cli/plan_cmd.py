@@ -13,6 +13,8 @@ from planner_service.cli.common import console, fail, note
 from planner_service.compare import StrategySummary, compare
 from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
+from planner_service.solvers.kv_bound import FIELD as KV_FIELD
+from planner_service.solvers.kv_bound import plan_peak
 from planner_service.solvers.registry import prepare, strategy_names, timed_solve
 
 Docs = Annotated[
@@ -28,6 +30,11 @@ Context = Annotated[
 ]
 Target = Annotated[float, typer.Option("--imbalance-target", "-R", help="Target imbalance R")]
 Seed = Annotated[int, typer.Option(help="Seed for --dataset sampling")]
+KvBound = Annotated[
+    int | None,
+    typer.Option(help="Bound on every rank's KV peak (tokens); the strategy meets it or names "
+                 "the smallest bound it can meet"),
+]
 Url = Annotated[
     str | None, typer.Option(help="Ask a running planner service instead of solving locally")
 ]
@@ -100,6 +107,8 @@ def _metrics_table(plan: Plan) -> Table:
         ("padding tokens", str(m.padding_tokens)),
         ("split docs", str(m.num_split_docs)),
     ]
+    if KV_FIELD in plan.info:
+        rows.append(("KV peak (bound)", f"{plan_peak(plan):,} ({plan.info[KV_FIELD]:,})"))
     for row in rows:
         table.add_row(*row)
     return table
@@ -121,6 +130,7 @@ def plan(
     kernel: Annotated[str, typer.Option(help="Kernel profile")] = "h100-fa3",
     link: Annotated[str, typer.Option(help="Link profile")] = "nvlink",
     seed: Seed = 0,
+    max_kv_tokens_per_rank: KvBound = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw plan JSON")] = False,
     url: Url = None,
 ) -> None:
@@ -136,6 +146,7 @@ def plan(
         comm_mode=comm_mode,
         kernel=kernel,
         link=link,
+        max_kv_tokens_per_rank=max_kv_tokens_per_rank,
     )
     where = "server" if url else "local"
     if url:
