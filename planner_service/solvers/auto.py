@@ -10,11 +10,12 @@ records the choice and every candidate's prediction. Cost: one solve and one met
 (O(shards + tiles)) per (strategy, mode).
 
 With ``max_kv_tokens_per_rank`` (``solvers.kv_bound``) the candidates whose plan is over
-the bound are left out (flashcp holds the bound itself, with its own candidates; the others'
-plans do not depend on it, and their predictions are then not recorded); if none is left,
-``KvBoundError`` names the least figure among them, the least bound auto meets. The candidates are looked up with the ``lookup``
-the caller passes (the registry's ``get_strategy``), so this module does not import the
-registry that lists it.
+the bound are left out, their predictions not recorded (flashcp holds the bound itself,
+with its own candidates; the others' plans do not depend on it); if none is left,
+``KvBoundError`` names the least figure among them, the least bound auto meets.
+
+The candidates are looked up with the ``lookup`` the caller passes (the registry's
+``get_strategy``), so this module does not import the registry that lists it.
 """
 
 from __future__ import annotations
