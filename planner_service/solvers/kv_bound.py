@@ -13,11 +13,13 @@ was found:
 - strategies whose plan does not depend on the bound (the baselines) are checked once
   their plan is built (``check_plan``, called by ``registry.solve`` for every strategy);
   the figure is their plan's peak;
-- ``flashcp``, ``ilp``, ``fcp`` and ``auto`` try a fixed, finite list of candidate
-  layouts in order and return the first within the bound (``first_within``); the figure
-  is the least peak over the list. The list does not depend on the bound, so such a
-  strategy meets every bound at or above the figure and none below it: the figure is
-  the least peak these candidates produce, not a proven minimum over all plans.
+- ``flashcp``, ``fcp`` and ``auto`` try a fixed, finite list of candidate layouts in
+  order and return the first within the bound (``first_within``); the figure is the
+  least peak over the list. The list does not depend on the bound, so such a strategy
+  meets every bound at or above the figure and none below it: the figure is the least
+  peak these candidates produce, not a proven minimum over all plans. ``ilp`` meets every
+  bound from its figure on too, and may meet a smaller one where its bounded CP-SAT
+  solve finds a placement in time (``ilp.bounded``).
 
 Beside it the message gives ``kv_floor``, a true lower bound for any plan of any
 strategy; when the two are equal the figure is the minimum.
