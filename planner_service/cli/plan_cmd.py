@@ -13,6 +13,8 @@ from planner_service.cli.common import console, fail, note
 from planner_service.core.plan import Plan
 from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import PlanRequest
+from planner_service.solvers.kv_bound import FIELD as KV_FIELD
+from planner_service.solvers.kv_bound import plan_peak
 from planner_service.solvers.registry import prepare, strategy_names, timed_solve
 from planner_service.strategy_summary import StrategySummary, summarize_strategies
 
@@ -29,6 +31,11 @@ Context = Annotated[
 ]
 Target = Annotated[float, typer.Option("--imbalance-target", "-R", help="Target imbalance R")]
 Seed = Annotated[int, typer.Option(help="Seed for --dataset sampling")]
+KvBound = Annotated[
+    int | None,
+    typer.Option(help="Bound on every rank's KV peak (tokens); the strategy meets it or names "
+                 "the smallest bound it can meet"),
+]
 Url = Annotated[
     str | None, typer.Option(help="Ask a running planner service instead of solving locally")
 ]
@@ -101,6 +108,8 @@ def _metrics_table(plan: Plan) -> Table:
         ("padding tokens", str(m.padding_tokens)),
         ("split docs", str(m.num_split_docs)),
     ]
+    if KV_FIELD in plan.info:
+        rows.append(("KV peak (bound)", f"{plan_peak(plan):,} ({plan.info[KV_FIELD]:,})"))
     for row in rows:
         table.add_row(*row)
     return table
@@ -124,6 +133,7 @@ def plan(
              "installed flash-attn)")] = None,
     link: Annotated[str, typer.Option(help="Link profile")] = "nvlink",
     seed: Seed = 0,
+    max_kv_tokens_per_rank: KvBound = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw plan JSON")] = False,
     url: Url = None,
 ) -> None:
@@ -139,6 +149,7 @@ def plan(
         comm_mode=comm_mode,
         kernel=kernel or default_kernel_name(),
         link=link,
+        max_kv_tokens_per_rank=max_kv_tokens_per_rank,
     )
     where = "server" if url else "local"
     if url:

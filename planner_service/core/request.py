@@ -114,6 +114,10 @@ class PlanRequest:
     """Link profile name (core/profiles.py)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """Strategy-specific options (e.g. ilp time_limit_s); each strategy validates its own."""
+    max_kv_tokens_per_rank: int | None = None
+    """Bound on every rank's ``kv_tokens_peak`` (own tokens plus the remote KV held at once
+    per layer, ``cost.kv_tokens_peak``); None: no bound. A strategy meets it or refuses,
+    naming the smallest bound it can meet (solvers/kv_bound.py)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "doc_lengths", check_doc_lengths(self.doc_lengths))
@@ -134,6 +138,8 @@ class PlanRequest:
         if not isinstance(self.options, Mapping):
             raise FieldError("options", f"options must be a mapping, got "
                              f"{type(self.options).__name__}")
+        if self.max_kv_tokens_per_rank is not None:
+            check_int(self.max_kv_tokens_per_rank, "max_kv_tokens_per_rank", 1, MAX_TOKENS)
         total = sum(self.doc_lengths)
         if total > MAX_TOKENS:
             raise FieldError("doc_lengths", f"doc_lengths sum to {total}, above the limit "

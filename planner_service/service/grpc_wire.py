@@ -23,6 +23,8 @@ def request_to_dict(msg: Any) -> dict[str, Any]:
         data["truncate"] = True
     if msg.HasField("imbalance_target"):
         data["imbalance_target"] = msg.imbalance_target
+    if msg.HasField("max_kv_tokens_per_rank"):
+        data["max_kv_tokens_per_rank"] = msg.max_kv_tokens_per_rank
     if msg.comm_mode:
         data["comm_mode"] = msg.comm_mode
     if msg.HasField("model"):
@@ -46,7 +48,8 @@ def dict_to_request(pb2: Any, data: dict[str, Any]) -> Any:
     """The PlanRequest message for a JSON body; raises FieldError for a field the proto
     cannot carry (so the client fails loudly instead of sending something else)."""
     known = {"doc_lengths", "cp_size", "strategy", "context_length", "truncate",
-             "imbalance_target", "comm_mode", "model", "kernel", "link", "options"}
+             "imbalance_target", "comm_mode", "model", "kernel", "link", "options",
+             "max_kv_tokens_per_rank"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise FieldError(unknown[0], f"request has fields the planner does not know: "
@@ -62,6 +65,8 @@ def dict_to_request(pb2: Any, data: dict[str, Any]) -> Any:
         msg.truncate = True
     if data.get("imbalance_target") is not None:
         msg.imbalance_target = data["imbalance_target"]
+    if data.get("max_kv_tokens_per_rank") is not None:
+        msg.max_kv_tokens_per_rank = data["max_kv_tokens_per_rank"]
     if data.get("model"):
         msg.model.SetInParent()
         for name, value in data["model"].items():

@@ -134,6 +134,10 @@ class PlanRequestIn(BaseModel):
     link: StrictStr = Field("nvlink", max_length=64)
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="Strategy options (GET /v1/strategies)")
+    max_kv_tokens_per_rank: StrictInt | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="Bound on every rank's KV peak "
+        "(rank_stats.kv_tokens_peak); a strategy meets it or answers 422 naming the smallest "
+        "bound it can meet. Default: no bound")
 
 
 class CompareRequestIn(PlanRequestIn):
@@ -257,7 +261,7 @@ def to_plan_request(body: PlanRequestIn, limits: Limits, *, strategy: str | None
         strategy=strategy or body.strategy, context_length=body.context_length,
         truncate=body.truncate, imbalance_target=body.imbalance_target,
         comm_mode=body.comm_mode, model=model, kernel=body.kernel, link=body.link,
-        options=dict(body.options),
+        options=dict(body.options), max_kv_tokens_per_rank=body.max_kv_tokens_per_rank,
     )
 
 
@@ -282,14 +286,19 @@ def parse_plan_request(data: Any, limits: Limits) -> PlanRequest:
 
 
 def request_dict(request: PlanRequest) -> dict[str, Any]:
-    """Every field of a core request, defaults included, as JSON-able data."""
-    return {
+    """Every field of a core request, defaults included, as JSON-able data; but
+    ``max_kv_tokens_per_rank`` only when set, so a request without it keeps its content
+    hash (``request_key``)."""
+    data = {
         "doc_lengths": list(request.doc_lengths), "cp_size": request.cp_size,
         "strategy": request.strategy, "context_length": request.context_length,
         "truncate": request.truncate, "imbalance_target": request.imbalance_target,
         "comm_mode": request.comm_mode, "model": request.model.to_dict(),
         "kernel": request.kernel, "link": request.link, "options": dict(request.options),
     }
+    if request.max_kv_tokens_per_rank is not None:
+        data["max_kv_tokens_per_rank"] = request.max_kv_tokens_per_rank
+    return data
 
 
 def request_key(request: PlanRequest) -> str:

@@ -7,9 +7,15 @@ model, kernel and link profiles (core/step_time.py). The least ``est_step_ms`` w
 going to the earlier candidate (CANDIDATES order, then MODES order). ``p2p_ring`` is not a
 separate candidate: the step-time model prices it as the full all-gather. The plan's info
 records the choice and every candidate's prediction. Cost: one solve and one metrics pass
-(O(shards + tiles)) per (strategy, mode). The candidates are looked up with the ``lookup``
-the caller passes (the registry's ``get_strategy``), so this module does not import the
-registry that lists it.
+(O(shards + tiles)) per (strategy, mode).
+
+With ``max_kv_tokens_per_rank`` (``solvers.kv_bound``) the candidates whose plan is over
+the bound are left out, their predictions not recorded (flashcp holds the bound itself,
+with its own candidates; the others' plans do not depend on it); if none is left,
+``KvBoundError`` names the least figure among them, the least bound auto meets.
+
+The candidates are looked up with the ``lookup`` the caller passes (the registry's
+``get_strategy``), so this module does not import the registry that lists it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from dataclasses import replace
 from planner_service.core.build import Layout, build_plan
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.fcp_strategy import Intra
+from planner_service.solvers.kv_bound import KvBoundError, kv_floor, plan_peak
 
+HOW = "the least over its candidates, flashcp's being the least of its own candidate plans"
+"""``KvBoundError.how`` of ``auto`` (module docstring)."""
 CANDIDATES = ("flashcp", "per_doc", "llama3", "zigzag", "ring")
 MODES = ("alltoallv", "compact_allgather", "full")
 """The exchanges the runtime executes (worker_runtime/layout.py COMM_MODES)."""
@@ -30,14 +39,20 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
                 lookup: Callable[[str], Intra]) -> Layout:
     """The least predicted (strategy, comm mode) layout (module docstring)."""
     modes = (request.comm_mode,) if request.comm_mode else MODES
+    bound = request.max_kv_tokens_per_rank
     best: tuple[float, str, str, Layout] | None = None
     predictions = []
+    least: int | None = None  # with a bound: the least figure of the candidates over it
     for name in CANDIDATES:
         for mode in modes:
             # Solved per exchange: a strategy's objective may follow comm_mode (flashcp's does).
-            layout = lookup(name).solver(
-                doc_lengths, replace(request, strategy=name, comm_mode=mode, options={}))
-            metrics = build_plan(
+            try:
+                layout = lookup(name).solver(
+                    doc_lengths, replace(request, strategy=name, comm_mode=mode, options={}))
+            except KvBoundError as exc:  # flashcp: none of its candidates within the bound
+                least = exc.least if least is None else min(least, exc.least)
+                continue
+            plan = build_plan(
                 layout,
                 strategy=name,
                 cp_size=request.cp_size,
@@ -47,11 +62,18 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
                 model=request.model,
                 kernel=request.kernel,
                 link=request.link,
-            ).metrics
+            )
+            metrics = plan.metrics
+            if bound is not None and plan_peak(plan) > bound:
+                least = plan_peak(plan) if least is None else min(least, plan_peak(plan))
+                continue
             predictions.append({"strategy": name, "comm_mode": mode, "est_step_ms": metrics.est_step_ms})
             if best is None or metrics.est_step_ms < best[0]:
                 best = (metrics.est_step_ms, name, mode, layout)
-    assert best is not None
+    if best is None:
+        assert bound is not None and least is not None
+        raise KvBoundError(bound, least, HOW,
+                           min(kv_floor(doc_lengths, request.cp_size, mode) for mode in modes))
     _, name, mode, layout = best
     return Layout(
         layout.groups,

@@ -11,6 +11,22 @@ Options: ``memory_tokens`` (E; default twice the even share ``2 ceil(S / N)``, r
 groups of unequal load), ``intra``, ``profile`` and ``search`` (see planner_service.fcp).
 Always one micro-batch: the plan covers the whole packed sequence.
 
+With ``max_kv_tokens_per_rank`` (``solvers.kv_bound``) every group's intra plan is held
+to the bound in the plan's exchange (``group_layouts``), and the plan is the first of
+these candidates whose groups all hold it (``kv_bound.first_within``):
+
+1. ``fcp``: FCP's grouping at the request's E (the plan without a bound, when its groups
+   hold it unchanged);
+2. ``fcp memory_tokens=<T>``: FCP's grouping at E = T = ceil(S / N), the even share, if
+   below the request's E: no group holds more than T tokens per rank, so groups get more
+   ranks for their tokens (a degree-one group's peak is all its tokens);
+3. ``fcp one-group``: one group of all N ranks, i.e. the intra strategy's plan of the
+   whole sequence (flashcp's candidates, down to its ``memory_first`` layout).
+
+A candidate's figure is the largest of its groups' (the least bound all its groups meet),
+and the refusal names the least figure over the three: FCP meets every bound from it on.
+Cost: at most three FCP schedules (one for 3.) and the intra solves of their groups.
+
 The intra-group strategy is looked up by name with the ``lookup`` the caller passes (the
 registry's ``get_strategy``), so this module does not import the registry that lists it.
 """
@@ -18,6 +34,7 @@ registry's ``get_strategy``), so this module does not import the registry that l
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from planner_service.core.build import GroupLayout, Layout
@@ -26,9 +43,18 @@ from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Shard
 from planner_service.core.request import MAX_TOKENS, PlanRequest, check_int
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, get_profile
-from planner_service.fcp.grouping import check_options, memory_error
+from planner_service.fcp.grouping import check_options, group_table, memory_error
 from planner_service.fcp.placement import place_groups
-from planner_service.fcp.schedule import plan_global_batch
+from planner_service.fcp.schedule import plan_global_batch, sequence_stats
+from planner_service.solvers.kv_bound import (
+    FIXED,
+    Candidate,
+    KvBoundError,
+    first_within,
+    kv_floor,
+    layout_peak,
+    listed,
+)
 
 OPTIONS = {
     "memory_tokens": "E, tokens one rank can hold (default 2 x ceil(total / cp_size))",
@@ -36,6 +62,10 @@ OPTIONS = {
     "profile": f"FCP cost profile name or file:PATH (default {DEFAULT_PROFILE})",
     "search": "portfolio (default) or paper: the stage-1 groupings tried",
 }
+
+
+HOW = "the least over its candidate groupings of the largest KV figure of their groups"
+"""``KvBoundError.how`` of ``fcp`` (module docstring)."""
 
 
 class Intra(Protocol):
@@ -79,26 +109,53 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
     search = opts.get("search", "portfolio")
     check_options(search, "dp", prefix="options.")
     sequences = [(length,) for length in doc_lengths]
-    found = plan_global_batch(
-        sequences, num_ranks=n, memory_tokens=memory, profile=profile, search=search,
-        micro_batches=1,
-    )
-    grouping = found.groupings[0]
-    starts = place_groups(grouping.degrees, n, profile.ranks_per_node)
-    layouts = group_layouts(
-        sequences, grouping.groups, starts, grouping.degrees, intra=strategy,
-        model=request.model, kernel=request.kernel, link=request.link,
-        imbalance_target=request.imbalance_target,
-    )
-    return Layout(groups=layouts, info={
-        "fcp_degrees": list(grouping.degrees),
-        "fcp_group_docs": [list(g) for g in grouping.groups],
-        "fcp_est_makespan_ms": grouping.makespan_ms,
-        "fcp_candidate": grouping.candidate,
-        "fcp_profile": profile.name,
-        "intra_strategy": intra,
-        "memory_tokens": memory,
-    })
+    # The plan's exchange, which a KV bound is measured in (unused without one).
+    mode = None if request.max_kv_tokens_per_rank is None else (
+        request.comm_mode or lookup("fcp").comm_mode)
+
+    def grouped(memory_tokens: int) -> Layout:
+        found = plan_global_batch(
+            sequences, num_ranks=n, memory_tokens=memory_tokens, profile=profile,
+            search=search, micro_batches=1,
+        )
+        grouping = found.groupings[0]
+        return _layout(grouping.groups, grouping.degrees, grouping.makespan_ms,
+                       grouping.candidate, memory_tokens)
+
+    def _layout(groups: Sequence[Sequence[int]], degrees: Sequence[int], makespan_ms: float,
+                candidate: str, memory_tokens: int) -> Layout:
+        starts = place_groups(degrees, n, profile.ranks_per_node)
+        layouts = group_layouts(
+            sequences, groups, starts, degrees, intra=strategy,
+            model=request.model, kernel=request.kernel, link=request.link,
+            imbalance_target=request.imbalance_target,
+            max_kv_tokens_per_rank=request.max_kv_tokens_per_rank, comm_mode=mode,
+        )
+        return Layout(groups=layouts, info={
+            "fcp_degrees": list(degrees),
+            "fcp_group_docs": [list(g) for g in groups],
+            "fcp_est_makespan_ms": makespan_ms,
+            "fcp_candidate": candidate,
+            "fcp_profile": profile.name,
+            "intra_strategy": intra,
+            "memory_tokens": memory_tokens,
+        })
+
+    def one_group() -> Layout:
+        every = list(range(len(sequences)))
+        table = group_table(sequence_stats(sequences, (), profile), [every], n, total, profile)
+        return _layout([every], [n], float(table[0, n]), "one-group", memory)
+
+    bound = request.max_kv_tokens_per_rank
+    if bound is None or mode is None:
+        return grouped(memory)
+    even = -(-total // n)
+    candidates = [Candidate("fcp", lambda: grouped(memory))]
+    if even < memory:
+        candidates.append(Candidate(f"fcp memory_tokens={even}", lambda: grouped(even)))
+    candidates.append(Candidate("fcp one-group", one_group))
+    return first_within(candidates, bound=bound, comm_mode=mode, doc_lengths=doc_lengths,
+                        num_ranks=n, how=HOW).layout
 
 
 def group_layouts(
@@ -112,17 +169,29 @@ def group_layouts(
     kernel: str,
     link: str,
     imbalance_target: float,
+    max_kv_tokens_per_rank: int | None = None,
+    comm_mode: str | None = None,
 ) -> list[GroupLayout]:
     """Each group's shards from the ``intra`` strategy's solver, in plan doc indices and
     global ranks.
 
     Plan doc indices number all docs of ``sequences`` in order; ``groups`` index into
     ``sequences``. Returned in rank order.
+
+    With ``max_kv_tokens_per_rank``, every group is held to it in ``comm_mode`` (the plan's
+    exchange, which the intra solver is then asked for): the intra solver meets it or
+    raises ``KvBoundError``, and a layout over it (a strategy whose plan does not depend on
+    the bound) counts as that strategy's refusal, its peak the figure. Every group is
+    solved; if any refuses, raises ``KvBoundError`` naming the largest figure among the
+    refusals: the least bound every group meets, the groups that met this bound meeting
+    any larger one (their strategies meet every bound from their own figure on).
     """
+    bound = max_kv_tokens_per_rank
     first_doc = [0]
     for seq in sequences:
         first_doc.append(first_doc[-1] + len(seq))
     layouts = []
+    refused: list[KvBoundError] = []
     for members, start, degree in zip(groups, starts, degrees, strict=True):
         global_doc = [first_doc[s] + t for s in members for t in range(len(sequences[s]))]
         request = PlanRequest(
@@ -130,12 +199,31 @@ def group_layouts(
             cp_size=degree, strategy=intra.name, model=model, kernel=kernel, link=link,
             imbalance_target=imbalance_target,
         )
-        for sub in intra.solver(request.doc_lengths, request).groups:
+        if bound is not None:
+            request = replace(request, max_kv_tokens_per_rank=bound, comm_mode=comm_mode)
+        try:
+            solved = intra.solver(request.doc_lengths, request)
+            if bound is not None:
+                solved = listed(solved)
+                assert comm_mode is not None, "a KV bound is measured in the plan's exchange"
+                peak = layout_peak(solved, comm_mode)
+                if peak > bound:
+                    raise KvBoundError(bound, peak, FIXED,
+                                       kv_floor(request.doc_lengths, degree, comm_mode))
+        except KvBoundError as exc:
+            refused.append(exc)
+            continue
+        for sub in solved.groups:
             layouts.append(GroupLayout(
                 ranks=tuple(start + r for r in sub.ranks),
                 shards=[
                     [Shard(global_doc[s.doc], s.start, s.end) for s in rank] for rank in sub.shards
                 ],
             ))
+    if refused:
+        assert bound is not None and comm_mode is not None
+        worst = max(refused, key=lambda exc: exc.least)
+        raise KvBoundError(bound, worst.least, f"its largest group figure: {worst.how}",
+                           kv_floor([x for seq in sequences for x in seq], sum(degrees), comm_mode))
     layouts.sort(key=lambda g: g.ranks[0])
     return layouts

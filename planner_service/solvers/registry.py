@@ -20,7 +20,10 @@ from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
 from planner_service.core.validate import validate_plan
 from planner_service.solvers.baselines import llama3_layout, per_doc_layout, ring_layout
-from planner_service.solvers.flashcp import flashcp_layout, paper_layout
+from planner_service.solvers.flashcp import paper_layout
+from planner_service.solvers.flashcp_bounded import bounded_flashcp_layout
+from planner_service.solvers.kv_bound import FIELD as KV_FIELD
+from planner_service.solvers.kv_bound import check_plan
 
 Solver = Callable[[Sequence[int], PlanRequest], Layout]
 
@@ -69,9 +72,9 @@ class _LazyOptions(Mapping[str, str]):
 
 
 def _ilp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
-    from planner_service.solvers.ilp import ilp_layout
+    from planner_service.solvers.ilp import bounded_ilp_layout
 
-    return ilp_layout(doc_lengths, request)
+    return bounded_ilp_layout(doc_lengths, request)
 
 
 def _ilp_options() -> Mapping[str, str]:
@@ -140,7 +143,7 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
         description="FlashCP: balanced whole-doc passes, zigzag or nested cuts for the docs no rank "
         "can hold, token-neutral refinement; least critical-path volume of the request's exchange "
         "at imbalance <= R (default all-to-all-v)",
-        solver=flashcp_layout,
+        solver=bounded_flashcp_layout,
         comm_mode="alltoallv",
         complexity="heuristic",
     ),
@@ -255,14 +258,21 @@ def prepare(name: str) -> None:
 def solve(request: PlanRequest, *, check: bool = True) -> Plan:
     """Plan one request: truncate explicitly if asked, run the strategy, measure, validate.
 
-    Raises FieldError for bad input (unknown strategy, bad options) and PlanError if the
-    strategy produced an invalid plan (a bug; ``check=False`` skips that self-check).
+    With ``max_kv_tokens_per_rank`` set, the plan's info records it, and a plan over it is
+    refused here whatever the strategy (``kv_bound.check_plan``: the baselines' plans do
+    not depend on the bound; flashcp, ilp, fcp and auto hold it themselves).
+
+    Raises FieldError for bad input (unknown strategy, bad options, a KV bound below what
+    the strategy can meet: ``kv_bound.KvBoundError``) and PlanError if the strategy
+    produced an invalid plan (a bug; ``check=False`` skips that self-check).
     """
     strategy = checked_strategy(request)
     doc_lengths, truncated = request.packed()
     layout = strategy.solver(doc_lengths, request)
     if truncated:
         layout = Layout(layout.groups, {**layout.info, "truncated_tokens": truncated})
+    if request.max_kv_tokens_per_rank is not None:
+        layout = Layout(layout.groups, {**layout.info, KV_FIELD: request.max_kv_tokens_per_rank})
     plan = build_plan(
         layout,
         strategy=strategy.name,
@@ -275,6 +285,7 @@ def solve(request: PlanRequest, *, check: bool = True) -> Plan:
         kernel=request.kernel,
         link=request.link,
     )
+    check_plan(plan, request.max_kv_tokens_per_rank)
     if check:
         validate_plan(plan)
     return plan

@@ -284,10 +284,18 @@ def _finish(blocks: Blocks, n: int, run: Solve, hint: list[int], hint_feasible_v
 
 
 def ilp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
-    """The registry's entry point: options from the request, figures into the plan's info."""
+    """The strategy without a KV bound (the registry's entry point is
+    ``bounded.bounded_ilp_layout``): options from the request, figures into the plan's info."""
     n = request.cp_size
     options = parse_options(request.options, doc_lengths, n)
     result = solve_blocks(doc_lengths, n, request.imbalance_target, options)
+    return result_layout(doc_lengths, request, options, result)
+
+
+def result_layout(doc_lengths: Sequence[int], request: PlanRequest, options: IlpOptions,
+                  result: IlpResult) -> Layout:
+    """A solve's placement as the strategy's layout, its figures in the plan's info."""
+    n = request.cp_size
     full = (n - 1) * -(-sum(doc_lengths) // n)
     value, bound = result.objective_value, result.best_bound
     info: dict[str, Any] = {
