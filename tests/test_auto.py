@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planner_service.core.request import PlanRequest
-from planner_service.solvers.auto import CANDIDATES, MODES
+from planner_service.solvers.auto import CANDIDATES, MODES, candidate_modes
 from planner_service.solvers.registry import solve
 
 
@@ -13,7 +13,7 @@ def brute_force(**req):
     """Every candidate solved on its own: (est_step_ms, strategy, mode), the least first."""
     out = []
     for i, name in enumerate(CANDIDATES):
-        for j, mode in enumerate(MODES):
+        for j, mode in enumerate(candidate_modes(PlanRequest(**req))):
             plan = solve(PlanRequest(**req, strategy=name, comm_mode=mode))
             out.append((plan.metrics.est_step_ms, i, j, name, mode))
     return sorted(out)
@@ -24,6 +24,7 @@ def brute_force(**req):
     dict(doc_lengths=(32768,), cp_size=8),
     dict(doc_lengths=(3000, 2500, 1200, 900, 400, 37), cp_size=3, kernel="h100-fa3"),
     dict(doc_lengths=(16384, 1024, 1024), cp_size=2, link="infiniband"),
+    dict(doc_lengths=(700, 300, 250, 100, 40), cp_size=3, kernel="cpu-torch", link="gloo-local"),
 ])
 def test_auto_is_the_least_predicted_candidate(req):
     plan = solve(PlanRequest(**req, strategy="auto"))
@@ -31,7 +32,7 @@ def test_auto_is_the_least_predicted_candidate(req):
     assert (plan.info["chosen"], plan.comm_mode) == (name, mode)
     assert plan.metrics.est_step_ms == pytest.approx(est)
     preds = plan.info["candidates"]
-    assert len(preds) == len(CANDIDATES) * len(MODES)
+    assert len(preds) == len(CANDIDATES) * len(candidate_modes(PlanRequest(**req)))
     assert min(p["est_step_ms"] for p in preds) == pytest.approx(est)
     assert plan.info["kernel_profile"] == plan.kernel
 
@@ -51,3 +52,10 @@ def test_auto_keeps_a_requested_comm_mode():
                              comm_mode="full"))
     assert plan.comm_mode == "full"
     assert {p["comm_mode"] for p in plan.info["candidates"]} == {"full"}
+
+
+def test_p2p_ring_is_a_candidate_where_the_runtime_runs_a_ring():
+    flash = PlanRequest(doc_lengths=(100, 50), cp_size=2, kernel="h100-fa2")
+    torch_kernel = PlanRequest(doc_lengths=(100, 50), cp_size=2, kernel="cpu-torch")
+    assert candidate_modes(flash) == MODES
+    assert candidate_modes(torch_kernel) == (*MODES, "p2p_ring")

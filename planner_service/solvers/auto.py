@@ -4,9 +4,11 @@ Every candidate strategy is solved and measured under every exchange the runtime
 (or only the request's ``comm_mode`` when it names one), each (strategy, mode) on its own
 since a strategy's objective may follow the exchange (flashcp's does), with the request's
 model, kernel and link profiles (core/step_time.py). The least ``est_step_ms`` wins, ties
-going to the earlier candidate (CANDIDATES order, then MODES order). ``p2p_ring`` is not a
-separate candidate: the step-time model prices it as the full all-gather. The plan's info
-records the choice and every candidate's prediction. Cost: one solve and one metrics pass
+going to the earlier candidate (CANDIDATES order, then MODES order). ``p2p_ring`` is a
+candidate mode where the runtime runs it as a ring (a ``packed`` kernel profile: the
+PyTorch kernel), unless the ring is too large to model (``masked_work.MAX_RING_PAIRS``;
+recorded under ``skipped``); under flash-attn it runs as the full all-gather, so ``full``
+stands for it. The plan's info records the choice and every candidate's prediction. Cost: one solve and one metrics pass
 (O(shards + tiles)) per (strategy, mode).
 
 With ``max_kv_tokens_per_rank`` (``solvers.kv_bound``) the candidates whose plan is over
@@ -24,7 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from planner_service.core.build import Layout, build_plan
+from planner_service.core.profiles import get_kernel_profile
 from planner_service.core.request import PlanRequest
+from planner_service.core.step_time import execution_path
 from planner_service.solvers.fcp_strategy import Intra
 from planner_service.solvers.kv_bound import KvBoundError, kv_floor, plan_peak
 
@@ -32,13 +36,22 @@ HOW = "the least over its candidates, flashcp's being the least of its own candi
 """``KvBoundError.how`` of ``auto`` (module docstring)."""
 CANDIDATES = ("flashcp", "per_doc", "llama3", "zigzag", "ring")
 MODES = ("alltoallv", "compact_allgather", "full")
-"""The exchanges the runtime executes (worker_runtime/layout.py COMM_MODES)."""
+"""The gather exchanges the runtime executes (worker_runtime/layout.py COMM_MODES)."""
+
+
+def candidate_modes(request: PlanRequest) -> tuple[str, ...]:
+    """The request's ``comm_mode``, else MODES, plus ``p2p_ring`` where it runs as a ring."""
+    if request.comm_mode:
+        return (request.comm_mode,)
+    ring = execution_path(get_kernel_profile(request.kernel), "p2p_ring") == "ring"
+    return (*MODES, "p2p_ring") if ring else MODES
 
 
 def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
                 lookup: Callable[[str], Intra]) -> Layout:
     """The least predicted (strategy, comm mode) layout (module docstring)."""
-    modes = (request.comm_mode,) if request.comm_mode else MODES
+    modes = candidate_modes(request)
+    skipped = []
     bound = request.max_kv_tokens_per_rank
     best: tuple[float, str, str, Layout] | None = None
     predictions = []
@@ -52,17 +65,23 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
             except KvBoundError as exc:  # flashcp: none of its candidates within the bound
                 least = exc.least if least is None else min(least, exc.least)
                 continue
-            plan = build_plan(
-                layout,
-                strategy=name,
-                cp_size=request.cp_size,
-                doc_lengths=doc_lengths,
-                context_length=request.context_length,
-                comm_mode=mode,
-                model=request.model,
-                kernel=request.kernel,
-                link=request.link,
-            )
+            try:
+                plan = build_plan(
+                    layout,
+                    strategy=name,
+                    cp_size=request.cp_size,
+                    doc_lengths=doc_lengths,
+                    context_length=request.context_length,
+                    comm_mode=mode,
+                    model=request.model,
+                    kernel=request.kernel,
+                    link=request.link,
+                )
+            except ValueError:
+                if mode != "p2p_ring" or request.comm_mode:
+                    raise
+                skipped.append({"strategy": name, "comm_mode": mode, "why": "ring too large to model"})
+                continue
             metrics = plan.metrics
             if bound is not None and plan_peak(plan) > bound:
                 least = plan_peak(plan) if least is None else min(least, plan_peak(plan))
@@ -84,6 +103,7 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
             "kernel_profile": request.kernel,
             "link_profile": request.link,
             "candidates": predictions,
+            **({"skipped": skipped} if skipped else {}),
         },
     )
 
