@@ -64,6 +64,14 @@ def test_the_ring_hides_at_most_two_thirds_of_the_wire():
     assert t.total_ms == pytest.approx(t.compute_ms + p.beta2 + wire / 3)
 
 
+def test_the_ring_hides_all_but_the_last_accumulator_when_attention_covers_it():
+    p = _toy(alpha3=1.0, overlap="ring", forward_share=0.5)  # d = 4: 3 accumulators, 2 hidden
+    t = group_time(100, 10_000, 4, p)
+    wire = 100 * 3 / 4 / 1e6
+    assert t.overlap_ms == pytest.approx(wire / 3 + wire / 3 + (wire / 3) * 2 / 3)
+    assert t.total_ms == pytest.approx(t.compute_ms + p.beta2 + wire / 9)
+
+
 def test_overlap_follows_the_runtime_kernel():
     # flash-attn (the H100 profiles) runs a blocking exchange; the PyTorch kernel a ring.
     assert {n: p.overlap for n, p in PROFILES.items()} == {

@@ -295,7 +295,11 @@ def test_ring_terms_written_out():
         w = phi * kernel_ms(KernelWork(b.pairs, b.tiles, 0, b.row_blocks, 1), CPU_MODEL, TORCH) + copy_ms(
             m.bytes(CPU_MODEL), TORCH, m.ops)
         fwd += max(0.0, shift - w)
-    bwd = max(0.0, shift - (1 - phi) * k_loc) + (n - 1) * shift
+    bwd = max(0.0, shift - (1 - phi) * k_loc) + shift  # the last accumulator, after the loop
+    for s in (2, 3):  # steps 2..N-1 hide the previous step's accumulator behind their call
+        b = mw.ring_step_work(group[3], blocks[s - 1], TORCH.tile_q, TORCH.tile_k)
+        k_s = kernel_ms(KernelWork(b.pairs, b.tiles, 0, b.row_blocks, 1), CPU_MODEL, TORCH)
+        bwd += max(0.0, shift - (1 - phi) * k_s)
     assert on.comm_ms == pytest.approx(fwd + bwd)
     # Rank 0 sees no earlier block: one call; its forward hides only shift 0.
     first = rank_terms(group[0], **{**kw, "ring_blocks": [group[(0 - s) % n] for s in range(1, n)]})

@@ -12,7 +12,8 @@ passes) and sends a dK/dV accumulator along with each: the accumulator of block 
 empty at slot ``b + 1``, collects every non-owner's part and reaches slot b after N - 1
 transfers, where it is added to the owner's own gradient. So backward moves twice the
 forward's bytes (K/V, then dK/dV); every step is counted on the counter's history.
-Transfers overlap the current block's kernel; ``overlap=False`` waits for each transfer
+Transfers overlap the current block's kernel (a step waits for the accumulator the
+previous step sent only after its own gradient kernel); ``overlap=False`` waits for each transfer
 right after starting it.
 
 K/V held at once: own tokens, the block being attended and the one in flight
@@ -172,12 +173,14 @@ class RingAttention(torch.autograd.Function):
             if pending is not None and not overlap:
                 arrived = pending.wait()
             rows = step.rows
-            acc = (k.new_zeros(k.shape), v.new_zeros(v.shape)) if carry is None else carry.wait()
             if len(rows):
                 dq2, dk_b, dv_b = attention_backward(
                     do.index_select(0, rows), q.index_select(0, rows), block[0], block[1],
                     lse.index_select(0, rows), delta.index_select(0, rows), step.meta, scale)
                 dq.index_add_(0, rows, dq2)
+            # The previous step's accumulator was in flight during this step's kernel.
+            acc = (k.new_zeros(k.shape), v.new_zeros(v.shape)) if carry is None else carry.wait()
+            if len(rows):
                 acc = (acc[0] + dk_b.to(k.dtype), acc[1] + dv_b.to(v.dtype))
             carry = _shift(state, acc, "backward")
             if not overlap:

@@ -19,10 +19,11 @@ layer (forward + backward) on one of three paths, set by the kernel (:func:`exec
               local K/V block (T rows, padding included): shift 0 in flight during the local
               call, shift s during step s's call and merge (the block of slot ``i - s``);
               one call per step whose queries see a key of the block. Backward circulates
-              the blocks again with a dK/dV accumulator per block; each step's call waits for
-              the accumulator the previous step sent when its call ended, so those N - 1
-              transfers are exposed (the block shifts travel beside them and are taken as
-              hidden; the link is taken to carry both at once).
+              the blocks again with a dK/dV accumulator per block; a step waits for the
+              accumulator the previous step sent only after its own gradient call, so each
+              accumulator transfer is in flight during the next step's call (the block
+              shifts travel beside them and are taken as hidden; the link is taken to carry
+              both at once); the last one is waited for after the loop.
 
 Terms (forward + backward, milliseconds):
 
@@ -49,8 +50,9 @@ Terms (forward + backward, milliseconds):
               queries' dQ add, the dK/dV concatenation);
             - ring, t = one shift of T b bytes; overlap off: 3 (N - 1) t; on:
               max(0, t - phi K_loc) + sum over steps s = 1..N-2 of max(0, t - W_s)
-              + max(0, t - (1 - phi) K_loc) + (N - 1) t, with W_s = phi K_s + the step's
-              merge copies (0 for a step without queries).
+              + max(0, t - (1 - phi) K_loc) + sum over steps s = 2..N-1 of max(0, t - B_s)
+              + t, with W_s = phi K_s + the step's merge copies and B_s = (1 - phi) K_s
+              (both 0 for a step without queries).
 
             No comm when the rank receives nothing (R = 0).
 ``linear``  the layer's GEMMs on every local row, padding included.
@@ -363,14 +365,17 @@ class Terms(NamedTuple):
 def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: int, real: Any,
                recv: Any, local: KernelWork, extra: KernelWork, queries: Any, remote_keys: Any,
                key_tokens: Any, ring_hidden: Any, ring_mid_calls: Any, model: ModelSpec,
-               kernel: KernelProfile, link: LinkProfile, overlap: bool) -> Terms:
+               kernel: KernelProfile, link: LinkProfile, overlap: bool,
+               ring_bwd_hidden: Any = 0.0, ring_late_calls: Any = 0) -> Terms:
     """The terms from a rank's counts (module docstring); per-rank values may be arrays,
     so :func:`rank_step` and :func:`group_steps` share every formula.
 
     ``local``: the gathered path's call or the local call; ``extra``: the lean remote call or
     the ring's steps, summed (``calls`` of them); ``queries``: their query rows.
     ``ring_hidden``: sum over ring steps 1..N-2 with a call of max(0, t - W_s), in step order;
-    ``ring_mid_calls``: how many such steps.
+    ``ring_mid_calls``: how many such steps. ``ring_bwd_hidden``: sum over ring steps
+    2..N-1 with a call of max(0, t - B_s), B_s the step's backward kernel share;
+    ``ring_late_calls``: how many such steps.
     """
     t_rows, n = tokens_per_rank, num_ranks
     kvb = model.kv_bytes_per_token
@@ -393,8 +398,10 @@ def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: in
         if overlap:
             k_loc = kernel_ms(local, model, kernel)
             empty = max(n - 2, 0) - ring_mid_calls
+            late_empty = max(n - 2, 0) - ring_late_calls
             exposed = (np.maximum(0.0, shift - phi * k_loc) + ring_hidden + empty * shift) + (
-                np.maximum(0.0, shift - (1 - phi) * k_loc) + (n - 1) * shift)
+                np.maximum(0.0, shift - (1 - phi) * k_loc) + ring_bwd_hidden
+                + late_empty * shift + shift)
             comm = moves * exposed
         else:
             comm = transfer
@@ -467,8 +474,9 @@ def rank_terms(
     local = _blocks_work(local_blocks, 1, len(shards))
     shift = ring_shift_ms(tokens_per_rank, model, link)
     steps = [mw.ring_step_work(shards, block, bq, bk) for block in (ring_blocks or ())]
-    pairs = tiles_sum = row_blocks = queries = calls = mid = 0
-    hidden = 0.0
+    pairs = tiles_sum = row_blocks = queries = calls = mid = late = 0
+    hidden = bwd_hidden = 0.0
+    phi = forward_share(kernel)
     for s, b in enumerate(steps, start=1):
         if not b.queries:
             continue
@@ -478,9 +486,13 @@ def rank_terms(
             w = ring_window_ms(_blocks_work(b, 1), b.queries, model, kernel)
             hidden += max(0.0, shift - w)
             mid += 1
+        if s >= 2:
+            bwd_hidden += max(0.0, shift - (1 - phi) * kernel_ms(_blocks_work(b, 1), model, kernel))
+            late += 1
     extra = KernelWork(pairs, tiles_sum, 0, row_blocks, calls)
     return path_terms(path, comm_mode, local=local, extra=extra, queries=queries, remote_keys=0,
-                      key_tokens=0, ring_hidden=hidden, ring_mid_calls=mid, **common)
+                      key_tokens=0, ring_hidden=hidden, ring_mid_calls=mid,
+                      ring_bwd_hidden=bwd_hidden, ring_late_calls=late, **common)
 
 
 def rank_step(
@@ -580,9 +592,15 @@ def group_steps(
     step_work = KernelWork(b.pairs[mid], b.tiles[mid], 0, b.row_blocks[mid], 1)
     w = ring_window_ms(step_work, b.queries[mid], model, kernel)
     hidden = np.bincount(rw.rank[mid], weights=np.maximum(0.0, shift - w), minlength=n)
+    late = rw.step >= 2
+    late_work = KernelWork(b.pairs[late], b.tiles[late], 0, b.row_blocks[late], 1)
+    b_s = (1 - forward_share(kernel)) * kernel_ms(late_work, model, kernel)
+    bwd_hidden = np.bincount(rw.rank[late], weights=np.maximum(0.0, shift - b_s), minlength=n)
     t = path_terms(path, comm_mode, local=local, extra=extra, queries=per_rank(b.queries),
                    remote_keys=zero, key_tokens=zero, ring_hidden=hidden,
-                   ring_mid_calls=np.bincount(rw.rank[mid], minlength=n), **common)
+                   ring_mid_calls=np.bincount(rw.rank[mid], minlength=n),
+                   ring_bwd_hidden=bwd_hidden,
+                   ring_late_calls=np.bincount(rw.rank[late], minlength=n), **common)
     return _arrays(t, n)
 
 

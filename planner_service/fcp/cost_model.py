@@ -22,9 +22,11 @@ otherwise (groups are placed node-aligned when they fit).
 (flash-attn, the GPU runtime's kernel: blocking exchange) ``H = 0``; with ``"ring"`` (the
 PyTorch kernel's ring) the bandwidth part ``T_cma`` is three equal transfers (forward K/V,
 backward K/V, backward dK/dV: ``alpha3 = 3`` K/V bytes per token): the backward K/V
-travels beside the dK/dV accumulators (hidden), the accumulators are exposed (each step's
-call waits for the previous one's), and the forward K/V hides behind the forward
-attention of all but the last step: ``H = T_cma / 3 + min(T_cma / 3, phi T_cpa (d - 1) / d)``
+travels beside the dK/dV accumulators (hidden), the forward K/V hides behind the forward
+attention of all but the last step, and d - 2 of the d - 1 accumulators hide behind the
+next step's backward attention (the last is waited for after the loop):
+``H = T_cma / 3 + min(T_cma / 3, phi T_cpa (d - 1) / d)
++ min(T_cma (d - 2) / (3 (d - 1)), (1 - phi) T_cpa (d - 2) / d)``
 with ``T_cpa = alpha1 W / d`` and ``phi`` the forward share of a call (``forward_share``).
 
 All times are milliseconds per transformer layer, forward plus backward; a whole step is
@@ -308,7 +310,10 @@ def hidden_ms(attn: Any, wire: Any, degree: Any, profile: FcpProfile) -> Any:
     if profile.overlap == "none":
         return 0.0 * wire
     third = wire / 3.0
-    return third + np.minimum(third, profile.forward_share * attn * (degree - 1) / degree)
+    phi = profile.forward_share
+    late = np.maximum(degree - 2, 0)  # accumulators waited for behind a later step's call
+    return (third + np.minimum(third, phi * attn * (degree - 1) / degree)
+            + np.minimum(third * late / (degree - 1), (1 - phi) * attn * late / degree))
 
 
 def group_time(tokens: float, units: float, degree: int, profile: FcpProfile) -> GroupTime:
