@@ -4,9 +4,7 @@ trailer ``field``, the client's ServiceError ``.field``, the CLI's flag to chang
 
 from __future__ import annotations
 
-import asyncio
 import pickle
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,10 +19,9 @@ from planner_service.client.global_batch import solve_local
 from planner_service.core.errors import FieldError
 from planner_service.core.model import ModelSpec
 from planner_service.core.request import PlanRequest
-from planner_service.service.grpc_server import start_grpc
 from planner_service.service.http_app import create_app
-from planner_service.service.ops import PlannerService
 from planner_service.service.settings import load_settings
+from planner_service.service.testing import grpc_in_thread
 from planner_service.solvers.registry import solve
 
 BODY = {"doc_lengths": [4099, 37, 1023, 8191, 1, 511], "cp_size": 4}
@@ -104,26 +101,8 @@ def test_http_answers_422_with_the_field(http, changes, field):
 @pytest.fixture(scope="module")
 def grpc_url() -> Iterator[str]:
     """A grpc.aio server on loopback in a thread of this process."""
-    svc = PlannerService(load_settings(**SETTINGS))
-    loop = asyncio.new_event_loop()
-    started: dict[str, Any] = {}
-    ready = threading.Event()
-
-    async def main() -> None:
-        await svc.start()
-        started["server"] = await start_grpc(svc, "127.0.0.1", 0)
-        started["stop"] = asyncio.Event()
-        ready.set()
-        await started["stop"].wait()
-        await started["server"].stop(0)
-        await svc.close()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert ready.wait(scaled(30))
-    yield f"grpc://127.0.0.1:{started['server'].port}"
-    loop.call_soon_threadsafe(started["stop"].set)
-    thread.join(scaled(10))
+    with grpc_in_thread(load_settings(**SETTINGS), timeout_s=scaled(30)) as (url, _):
+        yield url
 
 
 @pytest.mark.parametrize(("changes", "field"), BAD)

@@ -4,12 +4,9 @@ is byte-identical to the service's schedule."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -18,10 +15,10 @@ from timing import scaled
 from planner_service.client.backends import ServiceError
 from planner_service.client.global_batch import ScheduleClient, make_transport, solve_local
 from planner_service.service.global_jobs import global_jobs
-from planner_service.service.grpc_server import start_grpc
 from planner_service.service.http_app import create_app
 from planner_service.service.ops import PlannerService
 from planner_service.service.settings import load_settings
+from planner_service.service.testing import grpc_in_thread
 
 BODY = {"sequences": [[3000, 500], [700, 900, 1200], [4096], [100, 200, 300]],
         "num_ranks": 4, "memory_tokens": 2048, "strategy": "flashcp"}
@@ -119,26 +116,8 @@ def test_http_a_schedule_fcp_rejects_fails_with_422_on_fetch(http):
 @pytest.fixture(scope="module")
 def grpc_server() -> Iterator[tuple[str, PlannerService]]:
     """A grpc.aio server on loopback in a thread of this process."""
-    svc = PlannerService(load_settings(**SETTINGS))
-    loop = asyncio.new_event_loop()
-    started: dict[str, Any] = {}
-    ready = threading.Event()
-
-    async def main() -> None:
-        await svc.start()
-        started["server"] = await start_grpc(svc, "127.0.0.1", 0)
-        started["stop"] = asyncio.Event()
-        ready.set()
-        await started["stop"].wait()
-        await started["server"].stop(0)
-        await svc.close()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert ready.wait(scaled(30))
-    yield f"grpc://127.0.0.1:{started['server'].port}", svc
-    loop.call_soon_threadsafe(started["stop"].set)
-    thread.join(scaled(10))
+    with grpc_in_thread(load_settings(**SETTINGS), timeout_s=scaled(30)) as served:
+        yield served
 
 
 def test_grpc_submit_fetch_resubmit_conflict_and_expiry(grpc_server):

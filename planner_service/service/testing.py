@@ -1,7 +1,9 @@
-"""Run ``planner serve`` in a child process on loopback, for tests and benchmarks.
+"""Run the planner on loopback, for tests and benchmarks.
 
-The server binds port 0 (or given ports) and prints one line with the bound ports;
-:class:`ServerProcess` waits for it, so there is no race for free ports.
+:class:`ServerProcess`: ``planner serve`` in a child process. The server binds port 0 (or
+given ports) and prints one line with the bound ports; the class waits for it, so there
+is no race for free ports. :func:`grpc_in_thread`: the gRPC server of one in-process
+``PlannerService``, on an event loop in a thread.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 LINE = re.compile(r"planner serving: (http://[^/ ]+)/ .*?(?:gRPC on (\S+)|gRPC disabled)")
@@ -113,3 +117,37 @@ def tree_rss_mib(pid: int) -> float:
         except (OSError, StopIteration):
             pass
     return total
+
+
+@contextmanager
+def grpc_in_thread(settings: Any, *, timeout_s: float = 30.0) -> Iterator[tuple[str, Any]]:
+    """``(grpc://host:port, service)`` of a ``PlannerService`` serving gRPC on loopback
+    port 0 in a thread of this process; stopped on exit. ``settings``: ``Settings``."""
+    import asyncio
+
+    from planner_service.service.grpc_server import start_grpc
+    from planner_service.service.ops import PlannerService
+
+    svc = PlannerService(settings)
+    loop = asyncio.new_event_loop()
+    started: dict[str, Any] = {}
+    ready = threading.Event()
+
+    async def main() -> None:
+        await svc.start()
+        started["server"] = await start_grpc(svc, "127.0.0.1", 0)
+        started["stop"] = asyncio.Event()
+        ready.set()
+        await started["stop"].wait()
+        await started["server"].stop(0)
+        await svc.close()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    if not ready.wait(timeout_s):
+        raise TimeoutError(f"the gRPC server did not start within {timeout_s} s")
+    try:
+        yield f"grpc://127.0.0.1:{started['server'].port}", svc
+    finally:
+        loop.call_soon_threadsafe(started["stop"].set)
+        thread.join(timeout_s / 3)
