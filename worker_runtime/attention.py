@@ -8,11 +8,20 @@ Per call, by comm mode and kernel:
   is in flight, one copy of the distinct remote KV is kept, parts merge by log-sum-exp;
 - ``p2p_ring`` (a ring plan's own mode) on the torch kernel: ``ring.RingAttention``, N - 1
   point-to-point steps overlapped with the current block's attention;
-- flash-attn (CUDA, fp16/bf16): the gathered path: exchange (blocking), gather every
-  shard's keys ``[0, e)`` of its doc (``kv_index``), one varlen kernel call; a ring plan
-  runs its bytes as ``full`` there.
+- flash-attn (CUDA, fp16/bf16), ``flash_path="segments"`` (the default):
+  ``segattention.SegmentAttention``: the lean path's structure on varlen calls. Each
+  rank's document mask splits into ``M (M + 1)`` calls (``segments.py``; M = most shards
+  of one doc on the rank): own-key calls while the exchange is in flight, remote-key calls
+  on one copy of the distinct remote KV, log-sum-exp merge, backward mirrored. Needs
+  flash-attn's private varlen forward/backward (``segkernels.flash_segments`` checks them
+  and falls back to the gathered path with one warning);
+- flash-attn, ``flash_path="gathered"`` (or the fallback): exchange (blocking), gather
+  every shard's keys ``[0, e)`` of its doc (``kv_index``), one varlen kernel call.
 
-``overlap=False`` waits for every exchange right after starting it (same arithmetic).
+A ring plan runs its bytes as ``full`` on both flash paths. ``segment_kernel`` runs the
+segments path with another kernel on any device (the tests pass the exact
+``segkernels.ReferenceSegments``). ``overlap=False`` waits for every exchange right after
+starting it (same arithmetic).
 Backward runs the collectives in reverse, so every rank of a group must call backward if
 any does.
 """
@@ -43,8 +52,13 @@ from worker_runtime.layout import (
 from worker_runtime.overlap import LeanAttention, LeanState, build_state, local_share
 from worker_runtime.ring import RingAttention, RingState, build_ring_state
 from worker_runtime.safety import CollectiveCheckError, agree, local_input_problem
+from worker_runtime.segattention import SegmentAttention, SegmentState, build_segment_state
+from worker_runtime.segkernels import SegmentKernel, flash_segments
 
 VERIFY = ("first", "always", "never")
+FLASH_PATHS = ("segments", "gathered")
+"""How the flash kernel runs: one varlen call per piece pair merged by LSE, overlapped
+(``segments``), or one call on per-shard gathered keys (``gathered``)."""
 
 
 RUN_MODES = (*COMM_MODES, "p2p_ring")
@@ -66,6 +80,8 @@ class _DeviceState(NamedTuple):
     exchanger: Exchanger
     lean: LeanState
     ring: RingState | None
+    segments: dict[str, SegmentState]
+    """The segments path's state per kernel name (built on first use)."""
 
 
 class ContextParallelAttention:
@@ -78,7 +94,9 @@ class ContextParallelAttention:
     ValueError for a bad ``comm_mode``, ``kernel`` or ``verify``. ``agreed=True`` skips the
     plan_id all-gather for a plan every rank already holds (planner_service.client.agreement);
     a rank that cannot run it then raises CollectiveCheckError on its own. ``overlap=False``
-    waits for each exchange right after starting it (the torch-kernel paths; same results).
+    waits for each exchange right after starting it (same results). ``flash_path``: how
+    flash-attn runs (FLASH_PATHS; ValueError otherwise). ``segment_kernel``: run the
+    segments path with this kernel whatever the device and dtype (module docstring).
     """
 
     def __init__(
@@ -93,14 +111,19 @@ class ContextParallelAttention:
         counter: CommCounter | None = None,
         agreed: bool = False,
         overlap: bool = True,
+        flash_path: str = "segments",
+        segment_kernel: SegmentKernel | None = None,
     ) -> None:
+        if flash_path not in FLASH_PATHS:
+            raise ValueError(f"flash_path must be one of {', '.join(FLASH_PATHS)}, got {flash_path!r}")
+        self.flash_path, self.segment_kernel = flash_path, segment_kernel
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         if verify not in VERIFY:
             raise ValueError(f"verify must be one of {', '.join(VERIFY)}, got {verify!r}")
         self.plan, self.kernel, self.verify, self.overlap = plan, kernel, verify, bool(overlap)
         self.comm_mode = resolve_comm_mode(plan, comm_mode)
-        # The gathered (flash) path and the comm map run a ring's bytes as a full exchange.
+        # The flash paths and the comm map run a ring's bytes as a full exchange.
         self.gather_mode = "full" if self.comm_mode == "p2p_ring" else self.comm_mode
         self.counter = counter if counter is not None else CommCounter()
         initialised = dist.is_initialized()
@@ -162,7 +185,9 @@ class ContextParallelAttention:
 
     def planned_kv_tokens_peak(self) -> int:
         """KV tokens this rank holds at once per layer according to the plan's figures
-        (the counter's ``kv_tokens_peak`` after a call on the torch kernel)."""
+        (the counter's ``kv_tokens_peak`` after a call on the torch kernel or the segments
+        path; a ring plan runs as ``full`` on the segments path, which holds
+        ``planned_kv_tokens_peak(plan, rank, "full")``)."""
         return planned_kv_tokens_peak(self.plan, self.rank, self.comm_mode)
 
     def local_query_share(self) -> tuple[int, int]:
@@ -191,16 +216,25 @@ class ContextParallelAttention:
         CollectiveCheckError on every rank of the group if any rank's inputs do not
         match the plan (checked on the first call, or every call with verify='always').
         """
-        self._check(q, k, v)
         lay = self.layout
+        path, segment_kernel = self.execution_path(q)
+        self._check(q, k, v, path)
         if lay.group_index < 0:
             # No rows; tied to q, k, v so a caller's backward gives them (empty) gradients.
             return q * 0 + (k.sum() + v.sum()) * 0
         state = self._state(q.device)
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        if not uses_flash(q, self.kernel):
-            if state.ring is not None:
-                return RingAttention.apply(q, k, v, state.ring, scale, self.overlap)
+        if path == "segments":
+            assert segment_kernel is not None
+            seg = state.segments.get(segment_kernel.name)
+            if seg is None:
+                seg = build_segment_state(lay, self.comm_map, segment_kernel, q.device, state.exchanger)
+                state.segments[segment_kernel.name] = seg
+            return SegmentAttention.apply(q, k, v, seg, scale, self.overlap)
+        if path == "ring":
+            assert state.ring is not None
+            return RingAttention.apply(q, k, v, state.ring, scale, self.overlap)
+        if path == "lean":
             return LeanAttention.apply(q, k, v, state.lean, scale, self.overlap)
         kv = torch.stack((k, v), dim=1)
         source = KVExchange.apply(kv, state.exchanger)
@@ -218,7 +252,21 @@ class ContextParallelAttention:
 
     __call__ = attention
 
-    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def execution_path(self, q: torch.Tensor) -> tuple[str, SegmentKernel | None]:
+        """(path, segment kernel) a call with queries like ``q`` runs: ``segments``,
+        ``gathered`` (flash-attn), ``ring`` or ``lean`` (the torch kernel); see the module
+        docstring. Probes flash-attn's private API once per device, dtype and head dim."""
+        if self.segment_kernel is not None:
+            return "segments", self.segment_kernel
+        if uses_flash(q, self.kernel):
+            if self.flash_path == "segments" and q.dim() == 3:
+                found = flash_segments(q.device, q.dtype, q.shape[-1])
+                if found is not None:
+                    return "segments", found
+            return "gathered", None
+        return ("ring" if self.comm_mode == "p2p_ring" else "lean"), None
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str) -> None:
         if self.verify == "never" or (self.verify == "first" and self._verified):
             return
         problem = local_input_problem(q, k, v, self.layout.num_tokens, self.rank)
@@ -226,7 +274,9 @@ class ContextParallelAttention:
             if problem:
                 raise CollectiveCheckError(f"attention: rank {self.rank}: {problem}")
         else:
-            extra = {"dtype": str(q.dtype), "heads": tuple(q.shape[1:]), "kv_heads": tuple(k.shape[1:])}
+            # The path too: ranks on different paths would run different collectives.
+            extra = {"dtype": str(q.dtype), "heads": tuple(q.shape[1:]),
+                     "kv_heads": tuple(k.shape[1:]), "path": path}
             agree(self.process_group, rank=self.rank, plan_id=self.plan.plan_id, problem=problem,
                   where="attention", extra=extra)
         self._verified = True
@@ -249,6 +299,7 @@ class ContextParallelAttention:
                 exchanger=exchanger,
                 lean=build_state(lay, exchanger, device),
                 ring=ring,
+                segments={},
             )
         return self._states[device]
 

@@ -27,9 +27,10 @@ that copy is made. Copies left before the kernel, and why:
 
 K and V are exchanged as two collectives each way (no stacking copy). This path runs the
 exact torch kernel (``kernels.attention_forward``), whose mask takes any (doc, position)
-key set; flash-attn's varlen format (one contiguous key segment per query segment) cannot
-express "this shard sees the first e keys of a shared doc context", so the flash kernel
-keeps the gathered per-shard path in ``attention.py``.
+key set in one call. flash-attn's varlen format gives each query segment one contiguous
+key segment, so the flash kernel runs the same structure as several calls instead
+(``segments.py``: per query shard, its doc's local pieces and remote gaps; merged by
+log-sum-exp in ``segattention.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Same layouts, comm maps and kernels as the distributed runtime; only the collectives are
 replaced by reading the peers' buffers directly, so one process (or one GPU) can check a
 whole plan against the reference and time every rank's kernel (ring-flash-attention's
-tests loop their shard metadata over every rank the same way).
+tests loop their shard metadata over every rank the same way). ``simulate_plan`` runs the
+gathered path (one varlen call per rank); ``simulate_segments`` the flash path's calls.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from planner_service.core.plan import Plan
 from worker_runtime.dispatch import dispatch, undispatch
 from worker_runtime.kernels import build_meta, varlen_attention
 from worker_runtime.layout import CommMap, RankLayout, build_comm_map, build_layout
+from worker_runtime.segattention import LocalSegmentAttention, build_segment_state
+from worker_runtime.segkernels import SegmentKernel
 
 
 class Simulated(NamedTuple):
@@ -78,3 +81,32 @@ def simulate_plan(
         o = torch.cat((o, o.new_zeros((lay.num_tokens - lay.num_real, *o.shape[1:]))))
         out = out + undispatch(lay, o)
     return Simulated(out, tuple(m.recv_rows for m in maps), layouts, maps)
+
+
+def simulate_segments(
+    plan: Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel: SegmentKernel,
+    *,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """The flash path's calls (``segattention.LocalSegmentAttention``) for every rank on
+    global packed q ``[S, H, D]``, k, v ``[S, G, D]``; the remote buffer is read from the
+    global K and V (the distinct remote KV is the same in every gather mode). Returns the
+    global output; differentiable end to end."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    out = q.new_zeros(q.shape)
+    for rank in range(plan.cp_size):
+        lay = build_layout(plan, rank)
+        if lay.group_index < 0:
+            continue
+        comm = build_comm_map(lay, "alltoallv")
+        state = build_segment_state(lay, comm, kernel, q.device)
+        rows = torch.from_numpy(lay.global_index[: lay.num_real][state.plan.local_rows]).to(q.device)
+        far_np = lay.doc_offsets[comm.remote_doc] + comm.remote_pos
+        far = torch.from_numpy(far_np[state.plan.remote_order]).to(q.device)
+        o = LocalSegmentAttention.apply(q[rows], k[rows], v[rows], k[far], v[far], state, scale)
+        out = out.index_add(0, rows, o)
+    return out

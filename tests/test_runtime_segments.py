@@ -1,0 +1,446 @@
+"""The flash path (segments): its decomposition (brute force), the segment kernels, one-process
+simulation of whole plans, the fallback when flash-attn's private API is unusable, and the
+path on spawned gloo worlds of 3, 5 and 8 ranks with the exact reference kernel in float64
+(outputs, gradients, bytes and the KV counter against the plan). GPU: flash-attn's adapter
+against the reference in bf16.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_runtime_dist import (
+    KV_ROW_ELEMS,
+    MULTI_GROUPS,
+    global_tensors,
+    max_abs,
+    multi_group_plan,
+    random_doc_lengths,
+    solve_any,
+)
+from timing import scaled
+
+from planner_service.core.build import GroupLayout, Layout, build_plan
+from planner_service.core.model import ModelSpec
+from planner_service.core.plan import Plan, Shard
+from planner_service.core.request import PlanRequest
+from planner_service.core.validate import validate_plan
+from planner_service.solvers.registry import solve, strategy_names
+from worker_runtime import (
+    COMM_MODES,
+    ContextParallelAttention,
+    build_comm_map,
+    build_layout,
+    flash_attn_available,
+    planned_kv_tokens_peak,
+    planned_recv_tokens,
+    reference_attention,
+    segkernels,
+)
+from worker_runtime.segkernels import (
+    FlashApiError,
+    ReferenceSegments,
+    check_params,
+    flash_segments,
+    load_flash_api,
+    probe,
+)
+from worker_runtime.segments import SegmentPlan, build_segment_plan
+from worker_runtime.simulate import simulate_segments
+from worker_runtime.testing import run_distributed
+
+MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype_bytes=8)
+TOL = 1e-10
+TE_BF16_TOL = 2.5e-2
+needs_flash = pytest.mark.skipif(
+    not (torch.cuda.is_available() and flash_attn_available(torch.device("cuda"))),
+    reason="needs CUDA and flash-attn",
+)
+
+
+# -- the decomposition ---------------------------------------------------------------------
+
+
+def random_plan(seed: int, cp_size: int) -> Plan:
+    """Docs cut at random points, every piece on a random rank: several shards of one doc
+    per rank, in any position order, ranks with nothing."""
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(1, 25, size=int(rng.integers(1, 7)))]
+    shards: list[list[Shard]] = [[] for _ in range(cp_size)]
+    for d, n in enumerate(lengths):
+        cuts = sorted(set(rng.integers(1, n, size=int(rng.integers(0, 6))).tolist())) if n > 1 else []
+        bounds = [0, *cuts, n]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            shards[int(rng.integers(cp_size))].append(Shard(d, a, b))
+    plan = build_plan(
+        Layout([GroupLayout(tuple(range(cp_size)), shards)], {}), strategy="random_test",
+        cp_size=cp_size, doc_lengths=lengths, context_length=None, comm_mode="alltoallv",
+        model=MODEL, kernel="h100-fa3", link="nvlink")
+    validate_plan(plan)
+    return plan
+
+
+def covered_pairs(layout, comm, seg: SegmentPlan) -> list[tuple[int, int, int]]:
+    """Every (doc, query position, key position) the calls compute, once per computation."""
+    r = layout.num_real
+    q_doc = layout.doc_ids[:r][seg.local_rows]
+    q_pos = layout.positions[:r][seg.local_rows]
+    k_doc = {False: q_doc, True: comm.remote_doc[seg.remote_order]}
+    k_pos = {False: q_pos, True: comm.remote_pos[seg.remote_order]}
+    pairs = []
+    for c in seg.calls:
+        for b in range(len(c.cu_q) - 1):
+            qs = range(c.q_lo + int(c.cu_q[b]), c.q_lo + int(c.cu_q[b + 1]))
+            ks = range(c.k_lo + int(c.cu_k[b]), c.k_lo + int(c.cu_k[b + 1]))
+            assert len(qs) > 0, "no empty query segment"
+            if c.causal:
+                assert len(qs) == len(ks), "a causal call is a square block per segment"
+            for a, qrow in enumerate(qs):
+                for kk, krow in enumerate(ks):
+                    if c.causal and kk > len(ks) - len(qs) + a:
+                        continue
+                    assert k_doc[c.remote][krow] == q_doc[qrow], "a segment pairs one doc"
+                    pairs.append((int(q_doc[qrow]), int(q_pos[qrow]), int(k_pos[c.remote][krow])))
+        hollow = [b for b in range(len(c.cu_k) - 1) if c.cu_k[b] == c.cu_k[b + 1]]
+        want = [x for b in hollow for x in range(int(c.cu_q[b]), int(c.cu_q[b + 1]))]
+        assert c.empty.tolist() == want
+    return pairs
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 4))
+def test_calls_cover_every_document_mask_pair_exactly_once(seed: int, cp_size: int) -> None:
+    plan = random_plan(seed, cp_size)
+    for rank in range(cp_size):
+        lay = build_layout(plan, rank)
+        comm = build_comm_map(lay, "alltoallv")
+        seg = build_segment_plan(lay, comm)
+        want = sorted((d, p, kp) for d, s, e in lay.shards for p in range(s, e) for kp in range(p + 1))
+        assert sorted(covered_pairs(lay, comm, seg)) == want
+        # Every key row in exactly one buffer: own tokens plus the distinct remote KV.
+        assert sorted(seg.local_rows.tolist()) == list(range(lay.num_real))
+        assert sorted(seg.remote_order.tolist()) == list(range(len(comm.remote_index)))
+        counts: dict[int, int] = {}
+        for d, _, _ in lay.shards:
+            counts[d] = counts.get(d, 0) + 1
+        m = max(counts.values(), default=0)
+        assert seg.num_local_calls == m * (m + 1) // 2
+        assert len(seg.calls) <= m * (m + 1)
+        assert seg.in_place or m > 1
+
+
+# -- segment kernels -----------------------------------------------------------------------
+
+
+def dense_segments(q, k, v, lq, lk, causal, scale):
+    """Each segment alone, the obvious way: ``(out, lse [H, T])``; NaN/-inf without keys."""
+    outs, lses, q0, k0 = [], [], 0, 0
+    r = q.shape[1] // k.shape[1]
+    for nq, nk in zip(lq, lk, strict=True):
+        qs, ks, vs = q[q0 : q0 + nq], k[k0 : k0 + nk], v[k0 : k0 + nk]
+        s = torch.einsum("qhd,khd->hqk", qs, ks.repeat_interleave(r, 1)) * scale
+        allowed = torch.ones(nq, nk, dtype=torch.bool)
+        if causal:
+            allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+        s = s.masked_fill(~allowed, -math.inf)
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vs.repeat_interleave(r, 1)))
+        lses.append(torch.logsumexp(s, dim=-1))
+        q0, k0 = q0 + nq, k0 + nk
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 9)), min_size=1, max_size=5),
+       st.booleans(), st.sampled_from([(2, 1), (4, 2), (3, 3)]))
+def test_reference_segments_equal_dense_segments_with_lse_and_part_gradients(segments, causal, heads) -> None:
+    lq = [a for a, _ in segments]
+    lk = [a + b for a, b in segments] if causal else [b for _, b in segments]
+    h, g = heads
+    gen = torch.Generator().manual_seed(sum(lq) + 7 * sum(lk))
+    q = torch.randn(sum(lq), h, 4, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(sum(lk), g, 4, generator=gen, dtype=torch.float64) for _ in "kv")
+    kern = ReferenceSegments()
+    meta = kern.meta(np.cumsum([0, *lq]), np.cumsum([0, *lk]), causal, torch.device("cpu"))
+    out, lse = kern.forward(q, k, v, meta, 0.3)
+    want_out, want_lse = dense_segments(q, k, v, lq, lk, causal, 0.3)
+    seen = torch.from_numpy(np.repeat(np.array(lk) > 0, lq))
+    assert max_abs(out[seen] - want_out[seen]) <= 1e-12
+    assert max_abs(lse[:, seen] - want_lse[:, seen]) <= 1e-12
+    assert torch.isneginf(lse[:, ~seen]).all()
+    # A single part is the whole attention: its backward is autograd's.
+    if seen.all():
+        dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o2, _ = dense_segments(*leaves, lq, lk, causal, 0.3)
+        want = torch.autograd.grad((o2 * dout).sum(), leaves)
+        got = kern.backward(dout, q, k, v, out, lse, meta, 0.3)
+        for a, b in zip(got, want, strict=True):
+            assert (a - b).abs().max().item() <= 1e-12
+
+
+FAST_STRATEGIES = [s for s in strategy_names() if s not in ("ilp", "auto")]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(1, 5),
+       st.sampled_from(FAST_STRATEGIES))
+def test_simulated_segments_equal_reference_for_whole_plans(lengths, cp_size, strategy) -> None:
+    plan = solve(PlanRequest(doc_lengths=lengths, cp_size=cp_size, strategy=strategy, model=MODEL))
+    gen = torch.Generator().manual_seed(len(lengths))
+    s = sum(lengths)
+    q, k, v = (torch.randn(s, h, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    w = torch.randn(s, 4, 8, generator=gen, dtype=torch.float64)
+    ref = reference_attention(q, k, v, lengths)
+    out = simulate_segments(plan, q, k, v, ReferenceSegments())
+    assert (out - ref).abs().max().item() <= 1e-12
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max().item() <= 1e-12
+
+
+# -- flash-attn's adapter on CPU (a stand-in API) and the fallback ----------------------------
+
+
+def flash_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                  softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                  alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                  seqused_k=None, zero_tensors=False):
+    """flash-attn 2.8.3's ``_flash_attn_varlen_forward`` contract on any device: out in q's
+    dtype, lse ``[H, total_q]`` float32, a query without keys gets out 0 and lse +inf."""
+    assert dropout_p == 0.0 and window_size_left == window_size_right == -1 and not return_softmax
+    ref = ReferenceSegments()
+    cu_q, cu_k = cu_seqlens_q.cpu().numpy(), cu_seqlens_k.cpu().numpy()
+    assert max_seqlen_q == np.diff(cu_q).max() and max_seqlen_k == np.diff(cu_k).max()
+    out, lse = ref.forward(q, k, v, ref.meta(cu_q, cu_k, causal, q.device), softmax_scale)
+    none = torch.from_numpy(np.repeat(np.diff(cu_k) == 0, np.diff(cu_q)))
+    out = out.masked_fill(none[:, None, None], 0.0)
+    return out.to(q.dtype), lse.float().masked_fill(none[None, :], math.inf), None, None
+
+
+def flash_standin_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                           max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                           window_size_left, window_size_right, softcap, alibi_slopes,
+                           deterministic, rng_state=None, zero_tensors=False):
+    """``_flash_attn_varlen_backward``'s contract: writes dq, dk, dv (q's dtype) in place."""
+    assert softmax_lse.is_contiguous() and softmax_lse.dtype == torch.float32
+    ref = ReferenceSegments()
+    meta = ref.meta(cu_seqlens_q.cpu().numpy(), cu_seqlens_k.cpu().numpy(), causal, q.device)
+    for dst, src in zip((dq, dk, dv), ref.backward(dout, q, k, v, out, softmax_lse, meta, softmax_scale),
+                        strict=True):
+        dst.copy_(src)
+    return torch.zeros(1)
+
+
+def install_flash(monkeypatch, forward, backward) -> None:
+    """Put a stand-in ``flash_attn.flash_attn_interface`` in place; fresh adapter cache."""
+    monkeypatch.setattr(segkernels, "_FLASH", {})
+    monkeypatch.setattr(segkernels, "_WARNED", [])
+    fake = types.ModuleType("flash_attn.flash_attn_interface")
+    fake._flash_attn_varlen_forward = forward
+    fake._flash_attn_varlen_backward = backward
+    package = types.ModuleType("flash_attn")
+    package.flash_attn_interface = fake
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fake)
+
+
+def test_flash_adapter_passes_the_probe_and_runs_plans_with_flash_conventions(monkeypatch) -> None:
+    """The adapter's calls (keywords, lse layout, in-place gradients, +inf for queries
+    without keys) through a stand-in with flash-attn's contract, float32 on CPU."""
+    install_flash(monkeypatch, flash_standin, flash_standin_backward)
+    kern = flash_segments(torch.device("cpu"), torch.float32, 8)
+    assert kern is not None and kern.name == "flash"
+    lengths = [1, 30, 7, 52, 3, 19]
+    plan = solve(PlanRequest(doc_lengths=lengths, cp_size=3, strategy="llama3", model=MODEL))
+    layouts = [build_layout(plan, r) for r in range(3)]
+    calls = [c for lay in layouts for c in build_segment_plan(lay, build_comm_map(lay, "full")).calls]
+    assert any(len(c.empty) for c in calls), "a remote call has queries without keys"
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(112, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    w = torch.randn(112, 4, 8, generator=gen, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*leaves, lengths)
+    want = torch.autograd.grad((ref * w).sum(), leaves)
+    low = [x.float().requires_grad_() for x in (q, k, v)]
+    out = simulate_segments(plan, *low, kern)
+    got = torch.autograd.grad((out.double() * w).sum(), low)
+    assert max_abs(out.double() - ref) <= 1e-5
+    assert max(max_abs(a.double() - b) for a, b in zip(got, want, strict=True)) <= 1e-4
+
+
+def test_flash_segments_fall_back_with_one_warning(monkeypatch) -> None:
+    def old_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                    softmax_scale, causal, window_size=(-1, -1)):
+        raise AssertionError("never called: the signature check fails first")
+
+    install_flash(monkeypatch, old_forward, old_forward)
+    with pytest.raises(FlashApiError, match="lacks parameters"):
+        load_flash_api()
+    with pytest.warns(RuntimeWarning, match="falling back to the gathered path") as record:
+        assert flash_segments(torch.device("cpu"), torch.bfloat16, 64) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert flash_segments(torch.device("cpu"), torch.float16, 64) is None  # no second warning
+    assert len(record) == 1
+    plan = solve(PlanRequest(doc_lengths=[5, 3], cp_size=1, strategy="flashcp", model=MODEL))
+    attn = ContextParallelAttention(plan, kernel="flash")
+    q = torch.zeros(attn.num_tokens, 4, 64, dtype=torch.bfloat16)
+    assert attn.execution_path(q) == ("gathered", None)
+    assert ContextParallelAttention(plan).execution_path(q.float()) == ("lean", None)
+    kern = ReferenceSegments()
+    assert ContextParallelAttention(plan, segment_kernel=kern).execution_path(q) == ("segments", kern)
+
+
+def test_probe_refuses_a_kernel_with_another_lse_layout(monkeypatch) -> None:
+    def padded_lse(*args, **kwargs):  # older flash-attn: lse [batch, H, max_seqlen_q]
+        out, lse, s, rng = flash_standin(*args, **kwargs)
+        return out, torch.zeros(2, lse.shape[0], kwargs["max_seqlen_q"]), s, rng
+
+    padded_lse.__signature__ = inspect.signature(flash_standin)
+    install_flash(monkeypatch, padded_lse, flash_standin_backward)
+    with pytest.warns(RuntimeWarning, match=r"forward returned out \(5, 2, 16\), lse \(2, 2, 3\)"):
+        assert flash_segments(torch.device("cpu"), torch.float32, 16) is None
+    probe(ReferenceSegments(), torch.device("cpu"), torch.bfloat16, 16)  # the reference passes
+
+
+def test_rejects_unknown_flash_path_and_bad_signatures() -> None:
+    plan = solve(PlanRequest(doc_lengths=[5, 3], cp_size=1, strategy="flashcp", model=MODEL))
+    with pytest.raises(ValueError, match="flash_path must be one of segments, gathered"):
+        ContextParallelAttention(plan, flash_path="blocks")
+    with pytest.raises(FlashApiError, match=r"lacks parameters \['softmax_lse'"):
+        check_params(lambda dout, q, k, v, out: None, segkernels.BACKWARD_PARAMS[:6], "bwd")
+
+
+# -- spawned gloo worlds ---------------------------------------------------------------------
+
+STRATEGIES = ("flashcp", "per_doc", "zigzag", "llama3")
+CASES = [(mode, overlap) for mode in COMM_MODES for overlap in (True, False)] + [("p2p_ring", True)]
+"""(comm mode, overlap); a ring plan runs as ``full`` on the segments path."""
+
+
+def plans_for(world_size: int) -> list[Plan]:
+    lengths = random_doc_lengths(200 + world_size, world_size)
+    plans = [solve_any(lengths, world_size, s) for s in STRATEGIES]
+    if world_size in MULTI_GROUPS:
+        plans.append(multi_group_plan(lengths, MULTI_GROUPS[world_size], world_size))
+    return plans
+
+
+def worker(rank: int, world_size: int, plan_jsons: list[str]) -> dict:
+    results = {}
+    kern = ReferenceSegments()
+    for ci, text in enumerate(plan_jsons):
+        plan = Plan.from_json(text)
+        q, k, v, w = global_tensors(sum(plan.doc_lengths), seed=ci)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = reference_attention(*leaves, plan.doc_lengths)
+        ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+        for mode, overlap in CASES:
+            attn = ContextParallelAttention(plan, comm_mode=mode, overlap=overlap, segment_kernel=kern)
+            local = [attn.dispatch(t).requires_grad_() for t in (q, k, v)]
+            out = attn(*local)
+            (out * attn.dispatch(w)).sum().backward()
+            errors = [max_abs(out - attn.dispatch(ref.detach()))]
+            errors += [max_abs(t.grad - attn.dispatch(g)) for t, g in zip(local, ref_grads, strict=True)]
+            c = attn.counter
+            results[(ci, mode, overlap)] = {
+                "errors": errors, "bytes": (c.forward_bytes, c.backward_bytes), "peak": c.kv_tokens_peak,
+                "path": attn.execution_path(local[0])[0],
+            }
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [3, 5, 8])
+def test_segments_path_is_exact_with_plan_bytes_and_kv_peak(world_size: int) -> None:
+    plans = plans_for(world_size)
+    per_rank = run_distributed(worker, world_size, [p.to_json() for p in plans], timeout_s=scaled(240.0))
+    row_bytes = KV_ROW_ELEMS * 8
+    for ci, plan in enumerate(plans):
+        for mode, overlap in CASES:
+            gather = "full" if mode == "p2p_ring" else mode
+            for rank, res in enumerate(per_rank):
+                got = res[(ci, mode, overlap)]
+                where = f"{plan.strategy} {mode} overlap={overlap} rank {rank}"
+                assert got["path"] == "segments", where
+                assert max(got["errors"]) <= TOL, f"{where}: errors {got['errors']}"
+                want = planned_recv_tokens(plan, rank, gather) * row_bytes
+                assert got["bytes"] == (want, want), f"{where}: {got['bytes']} != {want}"
+                assert got["peak"] == planned_kv_tokens_peak(plan, rank, gather), where
+        if plan.comm_mode in COMM_MODES:
+            for group in plan.groups:
+                for slot, rank in enumerate(group.ranks):
+                    got = per_rank[rank][(ci, plan.comm_mode, True)]["peak"]
+                    assert got == group.rank_stats.kv_tokens_peak[slot], f"{plan.strategy} rank {rank}"
+
+
+# -- GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_flash
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_segments_match_reference_in_bf16(causal: bool) -> None:
+    """The adapter per call: out, lse (query rows with keys) and the part gradients given
+    a merged (out, lse), against the reference in float32 on the same bf16 inputs."""
+    dev = torch.device("cuda")
+    kern = flash_segments(dev, torch.bfloat16, 128)
+    assert kern is not None, "flash-attn installed but its private varlen API was refused"
+    lq = [1, 300, 77, 513]
+    lk = [q + e for q, e in zip(lq, [0, 129, 3, 700], strict=True)] if causal else [5, 0, 1000, 64]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, do = (torch.randn(sum(lq), 8, 128, generator=gen, device=dev).to(torch.bfloat16) for _ in "qd")
+    k, v = (torch.randn(sum(lk), 2, 128, generator=gen, device=dev).to(torch.bfloat16) for _ in "kv")
+    cu_q, cu_k = np.cumsum([0, *lq]), np.cumsum([0, *lk])
+    ref = ReferenceSegments()
+    meta, ref_meta = kern.meta(cu_q, cu_k, causal, dev), ref.meta(cu_q, cu_k, causal, dev)
+    out, lse = kern.forward(q, k, v, meta, 0.09)
+    want_out, want_lse = ref.forward(q.float(), k.float(), v.float(), ref_meta, 0.09)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (8, sum(lq))
+    seen = torch.from_numpy(np.repeat(np.array(lk) > 0, lq)).to(dev)
+    torch.testing.assert_close(out[seen].float(), want_out[seen], atol=TE_BF16_TOL, rtol=TE_BF16_TOL)
+    torch.testing.assert_close(lse[:, seen], want_lse[:, seen], atol=TE_BF16_TOL, rtol=TE_BF16_TOL)
+    out = torch.where(seen[:, None, None], out, torch.zeros_like(out))
+    lse = torch.where(seen[None, :], lse, torch.full_like(lse, -math.inf))
+    got = kern.backward(do, q, k, v, out, lse, meta, 0.09)
+    want = ref.backward(do.float(), q.float(), k.float(), v.float(), out.float(), lse, ref_meta, 0.09)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+        a = a[seen] if name == "dq" else a
+        b = b[seen] if name == "dq" else b
+        torch.testing.assert_close(a.float(), b, atol=TE_BF16_TOL, rtol=TE_BF16_TOL, msg=name)
+
+
+@pytest.mark.gpu
+@needs_flash
+@pytest.mark.parametrize("strategy", ["per_doc", "flashcp", "llama3", "zigzag"])
+def test_segments_path_with_flash_matches_reference_in_bf16(strategy: str) -> None:
+    """A 4-rank plan, ranks one after another on one GPU, the flash adapter in every call,
+    against the float64 reference on the same bf16 inputs (TransformerEngine's CP tolerance)."""
+    lengths = [1, 700, 33, 2049, 5, 1500, 260]
+    model = ModelSpec(num_heads=8, num_kv_heads=2, head_dim=128)
+    plan = solve(PlanRequest(doc_lengths=lengths, cp_size=4, strategy=strategy, model=model))
+    kern = flash_segments(torch.device("cuda"), torch.bfloat16, 128)
+    assert kern is not None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    s = sum(lengths)
+    bf = [torch.randn(s, h, 128, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
+          for h in (8, 2, 2)]
+    w = torch.randn(s, 8, 128, generator=gen, device="cuda", dtype=torch.float64)
+    leaves = [t.detach().double().requires_grad_() for t in bf]
+    ref = reference_attention(*leaves, lengths)
+    ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+    out = simulate_segments(plan, *bf, kern)
+    grads = torch.autograd.grad((out.double() * w).sum(), bf)
+    for name, got, want in [("out", out, ref), *zip(("dq", "dk", "dv"), grads, ref_grads, strict=True)]:
+        torch.testing.assert_close(got.double(), want.detach(), atol=TE_BF16_TOL, rtol=TE_BF16_TOL,
+                                   msg=lambda m, name=name: f"{strategy} {name}: {m}")
