@@ -108,7 +108,8 @@ def build_plan(
         else:
             tokens = per_rank_sums(arrays.end - arrays.start, arrays.bounds).tolist()
             docs = tuple(np.unique(arrays.doc).tolist())
-        padding = tuple(max(tokens) - t for t in tokens)
+        most = max(tokens)
+        padding = tuple([most - t for t in tokens])
         metrics, stats = group_metrics_of(
             arrays, shards, padding, comm_mode=comm_mode, model=model, kernel=kernel, link=link
         )
