@@ -321,3 +321,33 @@ def test_zigzagged_equals_the_shard_by_shard_reference(per_rank):
     ranks = Ranks(len(per_rank), 100)
     ranks.shards = [[Shard(doc, start, start + 1) for doc, start in rank] for rank in per_rank]
     assert zigzagged(ranks) == zigzagged_reference(ranks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=6),
+                min_size=1, max_size=5))
+def test_measure_equals_the_receive_and_zigzagged_references(per_rank):
+    from planner_service.core.cost import alltoallv_receives_reference
+    from planner_service.core.plan import Shard
+    from planner_service.solvers.flashcp.ranks import measure, zigzagged_reference
+
+    ranks = Ranks(len(per_rank), 100)
+    ranks.shards = [[Shard(doc, start, start + 1 + doc) for doc, start in rank] for rank in per_rank]
+    assert measure(ranks) == (max(alltoallv_receives_reference(ranks.shards)),
+                              zigzagged_reference(ranks))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 40), st.data())
+def test_mirrored_arrays_equal_a_fresh_conversion(n, data):
+    work = data.draw(st.lists(st.integers(0, 2**61), min_size=n, max_size=n))
+    tokens = data.draw(st.lists(st.integers(0, 2**31), min_size=n, max_size=n))
+    mirror = None
+    for _ in range(data.draw(st.integers(1, 6))):
+        touched = data.draw(st.lists(st.integers(0, n - 1), max_size=n))
+        for r in touched:
+            work[r] = data.draw(st.integers(0, 2**61))
+            tokens[r] = data.draw(st.integers(0, 2**31))
+        mirror = place.mirrored(mirror, work, tokens, touched)
+        assert mirror[0].tolist() == [float(w) for w in work]
+        assert mirror[1].tolist() == [float(t) for t in tokens]

@@ -80,6 +80,10 @@ def place(
     dirty: list[int] = []  # ranks given a whole doc since ``lightest`` was last read
     density = float("inf")
     need = [0] * n  # KV each rank needs so far (cost.alltoallv_receives, kept up to date)
+    # The workloads and token counts as float arrays for ``_zigzag_ranks``, brought up to
+    # date from the ranks changed since (``touched``) when a doc must be split.
+    mirror: tuple[np.ndarray, np.ndarray] | None = None
+    touched: list[int] = []
     heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
     def rebuild() -> None:
@@ -142,6 +146,7 @@ def place(
             dirty.append(best)
             continue
         # The lightest heap gets the ranks whole docs went to since it was last read.
+        touched += dirty
         if len(dirty) > n // 4:
             lightest[:] = [(w, r) for r, w in enumerate(work)]
             heapq.heapify(lightest)
@@ -155,14 +160,17 @@ def place(
             spill.append((doc, length))  # light enough (or one token) but no room: split for tokens
             continue
         if nested and nested_zigzag(ranks, doc, length, allowed, density):
+            mirror = None
             need[:] = alltoallv_receives(shards)
             for r in range(n):
                 version[r] += 1
                 heapq.heappush(lightest, (work[r], r))
             rebuild()
             continue
-        chosen = _zigzag_ranks(ranks, length, doc_work, allowed, density if fill_aware else 0.0,
-                               density)
+        mirror = mirrored(mirror, work, tokens, touched)
+        touched.clear()
+        chosen = _zigzag_ranks(*mirror, cap, length, doc_work, allowed,
+                               density if fill_aware else 0.0, density)
         if chosen is None:
             spill.append((doc, length))  # no m ranks have room for shares: split for tokens
             continue
@@ -170,6 +178,7 @@ def place(
         chosen.sort(key=need.__getitem__)
         before = [tokens[r] for r in chosen]
         zigzag(ranks, chosen, doc, length)
+        touched += chosen
         for r, held in zip(chosen, before, strict=True):
             if tokens[r] > held:  # the prefix up to its top chunk, less its own tokens
                 need[r] += shards[r][-1][2] - (tokens[r] - held)
@@ -193,7 +202,24 @@ def place(
     return ranks, spill
 
 
-def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill: float,
+def mirrored(mirror: tuple[np.ndarray, np.ndarray] | None, work: list[int], tokens: list[int],
+            touched: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The ranks' workloads and token counts as float64 arrays (through int64, exact:
+    workloads stay below 2^62), ``mirror`` updated at the ``touched`` ranks (repeats
+    allowed) where that is cheaper than converting every rank. O(N) or O(touched)."""
+    if mirror is None or len(touched) > len(work) // 4:
+        # Through int64: twice as fast as straight to float.
+        return (np.array(work, dtype=np.int64).astype(np.float64),
+                np.array(tokens, dtype=np.int64).astype(np.float64))
+    if touched:
+        work_f, tokens_f = mirror
+        work_f[touched] = np.array([work[r] for r in touched], dtype=np.int64)
+        tokens_f[touched] = np.array([tokens[r] for r in touched], dtype=np.int64)
+    return mirror
+
+
+def _zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: int,
+                  doc_work: int, allowed: float, fill: float,
                   density: float) -> list[int] | None:
     """The fewest most lagging ranks with room for equal shares of the doc whose expected
     final workloads (``ends``, filled at ``fill``) stay within ``allowed`` (the widest
@@ -203,14 +229,8 @@ def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill
     O(N log N) in numpy for the lag order, then O(N) per width tried; widths too narrow
     for any rank's room, or too narrow for even the lightest rank to stay within
     ``allowed``, are skipped (they cannot succeed)."""
-    n = len(ranks.work)
-    # Through int64 (exact: workloads stay below 2^62): twice as fast as straight to float.
-    work = np.array(ranks.work, dtype=np.int64).astype(np.float64)
-    tokens = np.array(ranks.tokens, dtype=np.int64).astype(np.float64)
-    room = ranks.capacity - tokens
-    # Lag order: ascending work - tokens x density, ties by rank (a stable sort).
-    by_lag = np.argsort(work - tokens * density, kind="stable")
-    room_by_lag = room[by_lag]
+    n = len(work)
+    room = capacity - tokens
     most_room, lightest = float(room.max()), float(work.min())
     narrowest = 2
     if most_room > 0:
@@ -218,19 +238,28 @@ def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill
     if allowed > lightest:
         narrowest = max(narrowest, int(doc_work / (allowed - lightest)))
     widest = min(n, max(2, length))  # more ranks than tokens would hold nothing
+    # Lag order: ascending work - tokens x density, ties by rank (a stable sort).
+    by_lag = np.argsort(work - tokens * density, kind="stable")
+    room_by_lag, work_by_lag = room[by_lag], work[by_lag]
     for m in widths(widest):
         if m < narrowest and m < widest:
             continue
         share = -(-length // m)
-        fit = np.flatnonzero(room_by_lag >= share)[:m]
+        fit = (room_by_lag >= share).nonzero()[0][:m]
         if len(fit) < m:
             continue
-        chosen = by_lag[fit]
         if m == widest:
-            return chosen.tolist()
-        after = np.maximum(0.0, room[chosen] - length / m)
-        if float((work[chosen] + doc_work / m + after * fill).max()) <= allowed:
-            return chosen.tolist()
+            return by_lag[fit].tolist()
+        # The expected final workloads (``ends``) of the m ranks.
+        after = room_by_lag[fit]
+        after -= length / m
+        np.maximum(0.0, after, out=after)
+        after *= fill
+        ends = work_by_lag[fit]
+        ends += doc_work / m
+        ends += after
+        if ends.max() <= allowed:
+            return by_lag[fit].tolist()
     return None
 
 
