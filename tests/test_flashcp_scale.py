@@ -351,3 +351,29 @@ def test_mirrored_arrays_equal_a_fresh_conversion(n, data):
         mirror = place.mirrored(mirror, work, tokens, touched)
         assert mirror[0].tolist() == [float(w) for w in work]
         assert mirror[1].tolist() == [float(t) for t in tokens]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    runs=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300)), min_size=1, max_size=5),
+    n=st.integers(2, 8),
+    target=st.sampled_from([1.0, 1.02, 1.05, 1.3]),
+    fill_aware=st.booleans(),
+    shuffle=st.sampled_from(["longest", "heavy_first", "runs_as_given"]),
+)
+def test_place_with_long_runs_of_equal_docs_equals_the_plain_scan(runs, n, target, fill_aware,
+                                                                  shuffle):
+    """Runs of at least ``place.RUN_MIN`` equal docs go by ``place.place_run``: the same
+    layout as the plain scan, doc by doc."""
+    doc_lengths = [length for length, count in runs for _ in range(count)]
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    if shuffle == "heavy_first":  # the density rises somewhere
+        order = order[len(order) // 3:] + order[:len(order) // 3]
+    elif shuffle == "runs_as_given":
+        order = list(range(len(doc_lengths)))
+    total = sum(map(doc_workload, doc_lengths))
+    allowed = target * total / n
+    fast, fast_spill = place.place(doc_lengths, order, n, allowed, fill_aware, total)
+    slow, slow_spill = reference_place(doc_lengths, order, n, allowed, fill_aware, total)
+    assert fast.shards == slow.shards and fast_spill == slow_spill
+    assert (fast.tokens, fast.work) == (slow.tokens, slow.work)
