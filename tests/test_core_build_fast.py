@@ -145,3 +145,13 @@ def test_plan_json_equals_the_generic_canonical_json():
             assert plan.body_json() == canonical_json(plan.body_dict())
             assert plan.to_json() == canonical_json(plan.to_dict())
             assert plan.groups[0].to_json() == canonical_json(plan.groups[0].to_dict())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 50), st.integers(0, 2**31 - 1)), max_size=40))
+def test_held_docs_equal_np_unique(docs):
+    from planner_service.core.build import held_docs
+
+    doc = np.array(docs, dtype=np.int64)
+    got = held_docs(doc)
+    assert got.tolist() == np.unique(doc).tolist() and got.dtype == np.int64
