@@ -11,7 +11,14 @@ import numpy as np
 from planner_service.core.cost import ShardArrays, per_rank_sums, shard_arrays
 from planner_service.core.metrics import group_metrics_of, plan_metrics
 from planner_service.core.model import ModelSpec
-from planner_service.core.plan import Group, Plan, Shard, plan_hash
+from planner_service.core.plan import (
+    Group,
+    Plan,
+    Shard,
+    int_list_json,
+    plan_hash,
+    shards_json,
+)
 
 new_shard = tuple.__new__
 """``new_shard(Shard, (doc, start, end))``: a Shard without NamedTuple's Python-level
@@ -113,6 +120,7 @@ def build_plan(
     """
     groups = []
     measured = []
+    made: list[tuple[str, str] | None] = []  # per group, the JSON of its docs and shards
     for g in layout.groups:
         shards, arrays = canonical_group(
             [rank if isinstance(rank, (list, tuple)) else list(rank) for rank in g.shards]
@@ -120,9 +128,13 @@ def build_plan(
         if arrays is None:
             tokens = [sum(s.end - s.start for s in rank) for rank in shards]
             docs = tuple(sorted({s.doc for rank in shards for s in rank}))
+            made.append(None)
         else:
             tokens = per_rank_sums(arrays.end - arrays.start, arrays.bounds).tolist()
-            docs = tuple(held_docs(arrays.doc).tolist())
+            held = held_docs(arrays.doc)
+            docs = tuple(held.tolist())
+            made.append((int_list_json(held),
+                         shards_json(arrays.doc, arrays.start, arrays.end, arrays.bounds)))
         most = max(tokens)
         padding = tuple([most - t for t in tokens])
         metrics, stats = group_metrics_of(
@@ -153,4 +165,4 @@ def build_plan(
         info=dict(sorted(layout.info.items())),
     )
     draft = Plan(**fields, plan_id="")
-    return Plan(**fields, plan_id=plan_hash(draft))
+    return Plan(**fields, plan_id=plan_hash(draft, made=made))
