@@ -68,10 +68,11 @@ def ends(ranks: Ranks, rank: int, share: float, load: float, density: float) -> 
 
 def place(
     doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, fill_aware: bool,
-    total_work: int, nested: bool = False,
+    total_work: int, nested: bool = False, lengths: np.ndarray | None = None,
 ) -> tuple[Ranks, list[tuple[int, int]]]:
     """The layout so far and the docs left to split for tokens (module docstring;
-    ``total_work``: the docs' total workload)."""
+    ``total_work``: the docs' total workload; ``lengths``: ``doc_lengths`` as an int64
+    array, if at hand)."""
     rest_tokens = sum(doc_lengths)
     rest_work = total_work
     cap = -(-rest_tokens // n)
@@ -98,7 +99,8 @@ def place(
 
     # Long runs of equal docs on few ranks go by ``place_run``: docs -> (position in
     # ``order``, docs left in its run) for the docs where it is tried next.
-    heads = run_heads(doc_lengths, order) if n <= REFRESH and total_work < EXACT else {}
+    heads = run_heads(doc_lengths if lengths is None else lengths, order) if (
+        n <= REFRESH and total_work < EXACT) else {}
     docs = iter(order)
     for doc in docs:
         if heads and doc in heads:
@@ -253,7 +255,8 @@ RUN_BLOCK = (64, 4096)
 """Smallest and largest block of docs ``place_run`` checks at once."""
 
 
-def run_heads(doc_lengths: Sequence[int], order: Sequence[int]) -> dict[int, tuple[int, int]]:
+def run_heads(doc_lengths: Sequence[int] | np.ndarray,
+              order: Sequence[int]) -> dict[int, tuple[int, int]]:
     """The first doc of every run of at least ``RUN_MIN`` equal lengths in ``order``:
     doc -> (its position in ``order``, the run's length). O(D) in numpy."""
     if len(order) < RUN_MIN:

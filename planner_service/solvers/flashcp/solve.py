@@ -173,8 +173,10 @@ def flashcp_shards(
     n = num_ranks
     cost = objective(comm_mode)
     # Longest first, ties by index (a stable sort of the negated lengths; lengths < 2^31).
-    order = np.argsort(-np.array(doc_lengths, dtype=np.int64), kind="stable").tolist()
-    total_work = sum(length * (length + 1) for length in doc_lengths) // 2  # sum of doc_workload
+    lengths = np.array(doc_lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable").tolist()
+    # The sum of doc_workload, exact in int64: at most (2^31)^2 / 2 for 2^31 tokens in all.
+    total_work = int((lengths * (lengths + 1) // 2).sum())
     allowed = target * total_work / n
     fallback: tuple[float, Ranks] | None = None
     steps = DESCENT_STEPS if len(order) * n <= SEARCH_BUDGET and comm_mode not in (
@@ -185,7 +187,7 @@ def flashcp_shards(
             found: list[tuple[int, int, Ranks, bool, list[int]]] = []
             for spec in batch:
                 placed, spill = place(doc_lengths, spec.order, n, allowed, spec.fill_aware,
-                                      total_work, spec.nested)
+                                      total_work, spec.nested, lengths=lengths)
                 # Without docs to spill, the spill orders give the same layout: finish one.
                 spills = spec.spills if spill else spec.spills[:1]
                 for i, tail_largest in enumerate(spills):
