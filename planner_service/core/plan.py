@@ -298,11 +298,11 @@ def _digit_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     top = int(values.max())
     width = len(str(top))
     counts = np.maximum(np.searchsorted(_POW10, values, side="right"), 1)
-    rest = values.astype(np.uint32 if top < 1 << 32 else np.uint64)
+    rest: np.ndarray = values.astype(np.uint32 if top < 1 << 32 else np.uint64)
     rows = np.empty((len(values), width), dtype=np.uint8)
     for col in range(width - 1, 0, -1):
         np.remainder(rest, 10, out=rows[:, col], casting="unsafe")
-        rest //= 10
+        rest = np.floor_divide(rest, 10, out=rest)
     rows[:, 0] = rest  # the leading digit of the widest
     rows += ord("0")
     rows *= np.arange(width) >= (width - counts)[:, None]

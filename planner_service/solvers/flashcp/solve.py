@@ -175,8 +175,11 @@ def flashcp_shards(
     # Longest first, ties by index (a stable sort of the negated lengths; lengths < 2^31).
     lengths = np.array(doc_lengths, dtype=np.int64)
     order = np.argsort(-lengths, kind="stable").tolist()
-    # The sum of doc_workload, exact in int64: at most (2^31)^2 / 2 for 2^31 tokens in all.
-    total_work = int((lengths * (lengths + 1) // 2).sum())
+    if len(lengths) and int(lengths.sum()) < 1 << 31:
+        # The sum of doc_workload, exact in int64: below (2^31)^2 / 2.
+        total_work = int((lengths * (lengths + 1) // 2).sum())
+    else:
+        total_work = sum(length * (length + 1) for length in doc_lengths) // 2
     allowed = target * total_work / n
     fallback: tuple[float, Ranks] | None = None
     steps = DESCENT_STEPS if len(order) * n <= SEARCH_BUDGET and comm_mode not in (
@@ -211,8 +214,8 @@ def flashcp_shards(
 
 
 def _choose(
-    found: list[tuple[int, int, Ranks, bool, list[int]]], doc_lengths: Sequence[int], n: int, target: float,
-    total_work: int, allowed: float, steps: int, comm_mode: str,
+    found: list[tuple[int, int, Ranks, bool, list[int]]], doc_lengths: Sequence[int], n: int,
+    target: float, total_work: int, allowed: float, steps: int, comm_mode: str,
     cost: Callable[[Ranks], tuple[int, ...]],
 ) -> tuple[list[list[Shard]], list[int]]:
     """The layout meeting R with the least ``cost`` (module docstring, step 2): the
@@ -241,8 +244,9 @@ def _choose(
                                    max_per_doc=paper_rounds(len(doc_lengths), n))
         if imb <= target:
             pool.append((paper, (len(found), 0), None, None))
-    best, _, _, doubled = min(pool, key=lambda c: (cost(c[0]) if c[2] is None else c[2], c[1]))
-    return best.shards, zigzagged(best) if doubled is None else doubled
+    best, _, _, best_doubled = min(
+        pool, key=lambda c: (cost(c[0]) if c[2] is None else c[2], c[1]))
+    return best.shards, zigzagged(best) if best_doubled is None else best_doubled
 
 
 def flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
