@@ -23,6 +23,9 @@ from planner_service.core.plan import (
 new_shard = tuple.__new__
 """``new_shard(Shard, (doc, start, end))``: a Shard without NamedTuple's Python-level
 ``__new__``."""
+JSON_IN_NUMPY = 512
+"""Shards of a group from which the JSON of its shards and docs is made in numpy
+(``plan.shards_json``; fewer: Python's formatting is faster)."""
 
 
 class GroupLayout(NamedTuple):
@@ -134,7 +137,8 @@ def build_plan(
             held = held_docs(arrays.doc)
             docs = tuple(held.tolist())
             made.append((int_list_json(held),
-                         shards_json(arrays.doc, arrays.start, arrays.end, arrays.bounds)))
+                         shards_json(arrays.doc, arrays.start, arrays.end, arrays.bounds))
+                        if len(arrays.doc) >= JSON_IN_NUMPY else None)
         most = max(tokens)
         padding = tuple([most - t for t in tokens])
         metrics, stats = group_metrics_of(

@@ -258,8 +258,9 @@ RUN_BLOCK = (64, 4096)
 def run_heads(doc_lengths: Sequence[int] | np.ndarray,
               order: Sequence[int]) -> dict[int, tuple[int, int]]:
     """The first doc of every run of at least ``RUN_MIN`` equal lengths in ``order``:
-    doc -> (its position in ``order``, the run's length). O(D) in numpy."""
-    if len(order) < RUN_MIN:
+    doc -> (its position in ``order``, the run's length); none on fewer than 4 x
+    ``RUN_MIN`` docs (one by one, they take little time). O(D) in numpy."""
+    if len(order) < 4 * RUN_MIN:
         return {}
     lengths = np.asarray(doc_lengths, dtype=np.int64)[np.asarray(order, dtype=np.int64)]
     starts = np.flatnonzero(np.concatenate(([True], lengths[1:] != lengths[:-1])))
