@@ -145,3 +145,38 @@ def test_plan_json_equals_the_generic_canonical_json():
             assert plan.body_json() == canonical_json(plan.body_dict())
             assert plan.to_json() == canonical_json(plan.to_dict())
             assert plan.groups[0].to_json() == canonical_json(plan.groups[0].to_dict())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 50), st.integers(0, 2**31 - 1)), max_size=40))
+def test_held_docs_equal_np_unique(docs):
+    from planner_service.core.build import held_docs
+
+    doc = np.array(docs, dtype=np.int64)
+    got = held_docs(doc)
+    assert got.tolist() == np.unique(doc).tolist() and got.dtype == np.int64
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.one_of(st.integers(0, 12), st.integers(0, 2**62)),
+                                   st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)),
+                         max_size=6), min_size=1, max_size=5))
+def test_numpy_json_of_shards_and_docs_equals_canonical_json(per_rank):
+    from planner_service.core.plan import int_list_json, shards_json
+
+    flat = [s for rank in per_rank for s in rank]
+    doc, start, end = (np.array([s[i] for s in flat], dtype=np.int64) for i in range(3))
+    bounds = np.cumsum([0] + [len(rank) for rank in per_rank])
+    want = canonical_json([[{"doc": d, "start": a, "end": b} for d, a, b in rank]
+                           for rank in per_rank])
+    assert shards_json(doc, start, end, bounds) == want
+    assert int_list_json(doc) == canonical_json([s[0] for s in flat])
+
+
+def test_plan_hash_from_made_json_equals_the_plain_hash():
+    from planner_service.core.plan import plan_hash
+
+    for doc_lengths, n in (((5, 3, 9, 1), 3), ((7,) * 300, 8), ((131072,), 17)):
+        plan = solve(PlanRequest(doc_lengths=doc_lengths, cp_size=n, context_length=None))
+        assert plan.plan_id == hashlib.sha256(plan.body_json().encode()).hexdigest()
+        assert plan_hash(plan) == plan.plan_id

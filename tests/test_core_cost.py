@@ -144,3 +144,15 @@ def test_transfer_is_latency_plus_bytes_over_bandwidth():
     link = LINK_PROFILES["infiniband"]
     assert transfer_ms(0, link) == pytest.approx(link.latency_us / 1e3)
     assert transfer_ms(45_000_000, link) == pytest.approx(link.latency_us / 1e3 + 1.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_layouts())
+def test_alltoallv_receives_equal_the_reference_and_comm_volumes(ranks):
+    fast = cost.alltoallv_receives(ranks)
+    assert fast == cost.alltoallv_receives_reference(ranks)
+    assert tuple(fast) == cost.comm_volumes(ranks).alltoallv_recv
+    for shards in ranks:
+        docs = [s.doc for s in shards]
+        repeated = {doc for doc in docs if docs.count(doc) > 1}
+        assert sorted(cost.rank_receive(shards)[1]) == sorted(repeated)

@@ -321,3 +321,59 @@ def test_zigzagged_equals_the_shard_by_shard_reference(per_rank):
     ranks = Ranks(len(per_rank), 100)
     ranks.shards = [[Shard(doc, start, start + 1) for doc, start in rank] for rank in per_rank]
     assert zigzagged(ranks) == zigzagged_reference(ranks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=6),
+                min_size=1, max_size=5))
+def test_measure_equals_the_receive_and_zigzagged_references(per_rank):
+    from planner_service.core.cost import alltoallv_receives_reference
+    from planner_service.core.plan import Shard
+    from planner_service.solvers.flashcp.ranks import measure, zigzagged_reference
+
+    ranks = Ranks(len(per_rank), 100)
+    ranks.shards = [[Shard(doc, start, start + 1 + doc) for doc, start in rank] for rank in per_rank]
+    assert measure(ranks) == (max(alltoallv_receives_reference(ranks.shards)),
+                              zigzagged_reference(ranks))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 40), st.data())
+def test_mirrored_arrays_equal_a_fresh_conversion(n, data):
+    work = data.draw(st.lists(st.integers(0, 2**61), min_size=n, max_size=n))
+    tokens = data.draw(st.lists(st.integers(0, 2**31), min_size=n, max_size=n))
+    mirror = None
+    for _ in range(data.draw(st.integers(1, 6))):
+        touched = data.draw(st.lists(st.integers(0, n - 1), max_size=n))
+        for r in touched:
+            work[r] = data.draw(st.integers(0, 2**61))
+            tokens[r] = data.draw(st.integers(0, 2**31))
+        mirror = place.mirrored(mirror, work, tokens, touched)
+        assert mirror[0].tolist() == [float(w) for w in work]
+        assert mirror[1].tolist() == [float(t) for t in tokens]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    runs=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300)), min_size=1, max_size=5),
+    n=st.integers(2, 8),
+    target=st.sampled_from([1.0, 1.02, 1.05, 1.3]),
+    fill_aware=st.booleans(),
+    shuffle=st.sampled_from(["longest", "heavy_first", "runs_as_given"]),
+)
+def test_place_with_long_runs_of_equal_docs_equals_the_plain_scan(runs, n, target, fill_aware,
+                                                                  shuffle):
+    """Runs of at least ``place.RUN_MIN`` equal docs go by ``place.place_run``: the same
+    layout as the plain scan, doc by doc."""
+    doc_lengths = [length for length, count in runs for _ in range(count)]
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    if shuffle == "heavy_first":  # the density rises somewhere
+        order = order[len(order) // 3:] + order[:len(order) // 3]
+    elif shuffle == "runs_as_given":
+        order = list(range(len(doc_lengths)))
+    total = sum(map(doc_workload, doc_lengths))
+    allowed = target * total / n
+    fast, fast_spill = place.place(doc_lengths, order, n, allowed, fill_aware, total)
+    slow, slow_spill = reference_place(doc_lengths, order, n, allowed, fill_aware, total)
+    assert fast.shards == slow.shards and fast_spill == slow_spill
+    assert (fast.tokens, fast.work) == (slow.tokens, slow.work)

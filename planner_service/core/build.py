@@ -11,11 +11,21 @@ import numpy as np
 from planner_service.core.cost import ShardArrays, per_rank_sums, shard_arrays
 from planner_service.core.metrics import group_metrics_of, plan_metrics
 from planner_service.core.model import ModelSpec
-from planner_service.core.plan import Group, Plan, Shard, plan_hash
+from planner_service.core.plan import (
+    Group,
+    Plan,
+    Shard,
+    int_list_json,
+    plan_hash,
+    shards_json,
+)
 
 new_shard = tuple.__new__
 """``new_shard(Shard, (doc, start, end))``: a Shard without NamedTuple's Python-level
 ``__new__``."""
+JSON_IN_NUMPY = 512
+"""Shards of a group from which the JSON of its shards and docs is made in numpy
+(``plan.shards_json``; fewer: Python's formatting is faster)."""
 
 
 class GroupLayout(NamedTuple):
@@ -30,6 +40,21 @@ class Layout(NamedTuple):
 
     groups: Sequence[GroupLayout]
     info: Mapping[str, Any]
+
+
+def held_docs(doc: np.ndarray) -> np.ndarray:
+    """``np.unique(doc)`` (the docs held, ascending) for non-negative doc indices: by a
+    table of the docs present where the largest index is within a few times the shard
+    count (a solver's docs are indices into the request's lengths), else by sorting. O(s)
+    or O(s log s)."""
+    if not len(doc):
+        return doc[:0]
+    top = int(doc.max())
+    if top > 4 * len(doc) + 1024:
+        return np.unique(doc)
+    present = np.zeros(top + 1, dtype=bool)
+    present[doc] = True
+    return np.flatnonzero(present)
 
 
 def canonical_shards(shards: Iterable[Shard]) -> tuple[Shard, ...]:
@@ -98,6 +123,7 @@ def build_plan(
     """
     groups = []
     measured = []
+    made: list[tuple[str, str] | None] = []  # per group, the JSON of its docs and shards
     for g in layout.groups:
         shards, arrays = canonical_group(
             [rank if isinstance(rank, (list, tuple)) else list(rank) for rank in g.shards]
@@ -105,10 +131,16 @@ def build_plan(
         if arrays is None:
             tokens = [sum(s.end - s.start for s in rank) for rank in shards]
             docs = tuple(sorted({s.doc for rank in shards for s in rank}))
+            made.append(None)
         else:
             tokens = per_rank_sums(arrays.end - arrays.start, arrays.bounds).tolist()
-            docs = tuple(np.unique(arrays.doc).tolist())
-        padding = tuple(max(tokens) - t for t in tokens)
+            held = held_docs(arrays.doc)
+            docs = tuple(held.tolist())
+            made.append((int_list_json(held),
+                         shards_json(arrays.doc, arrays.start, arrays.end, arrays.bounds))
+                        if len(arrays.doc) >= JSON_IN_NUMPY else None)
+        most = max(tokens)
+        padding = tuple([most - t for t in tokens])
         metrics, stats = group_metrics_of(
             arrays, shards, padding, comm_mode=comm_mode, model=model, kernel=kernel, link=link
         )
@@ -137,4 +169,4 @@ def build_plan(
         info=dict(sorted(layout.info.items())),
     )
     draft = Plan(**fields, plan_id="")
-    return Plan(**fields, plan_id=plan_hash(draft))
+    return Plan(**fields, plan_id=plan_hash(draft, made=made))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
+from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -80,12 +81,37 @@ def last_ends(shards: Sequence[Shard]) -> dict[int, int]:
     return end
 
 
-def alltoallv_receives(shards_per_rank: Sequence[Sequence[Shard]]) -> list[int]:
+def alltoallv_receives_reference(shards_per_rank: Sequence[Sequence[Shard]]) -> list[int]:
     """Per rank, the KV tokens the exact all-to-all-v delivers: per doc it holds, the
     prefix up to its last shard's end minus what it holds; summed, the ends minus its
     own tokens."""
     return [sum(last_ends(shards).values()) - sum(b - a for _, a, b in shards)
             for shards in shards_per_rank]
+
+
+_doc_of, _start_of = itemgetter(0), itemgetter(1)
+
+
+def rank_receive(shards: Sequence[Shard]) -> tuple[int, list[int]]:
+    """One rank's all-to-all-v receive (``alltoallv_receives_reference``) and the docs it
+    holds as two or more shards (unordered). O(s) for its s shards, at C speed where no
+    doc repeats (most ranks): then each shard needs exactly the prefix below its start."""
+    docs = list(map(_doc_of, shards))
+    if len(set(docs)) == len(docs):
+        return sum(map(_start_of, shards)), []
+    seen: set[int] = set()
+    repeated: set[int] = set()
+    for doc in docs:
+        if doc in seen:
+            repeated.add(doc)
+        else:
+            seen.add(doc)
+    return sum(last_ends(shards).values()) - sum(b - a for _, a, b in shards), list(repeated)
+
+
+def alltoallv_receives(shards_per_rank: Sequence[Sequence[Shard]]) -> list[int]:
+    """``alltoallv_receives_reference`` rank by rank by ``rank_receive``. O(s)."""
+    return [rank_receive(shards)[0] for shards in shards_per_rank]
 
 
 def comm_volumes(shards_per_rank: Sequence[Sequence[Shard]]) -> CommVolumes:

@@ -43,23 +43,31 @@ def whole_doc(ranks: Ranks, docs: Sequence[tuple[int, int]]) -> None:
     without room is parked (a max-heap by room) until a doc short enough for it comes, at
     most once per doc it receives: O((D + N) log N)."""
     cap = ranks.capacity
-    heap = [(w, r) for r, w in enumerate(ranks.work) if ranks.tokens[r] < cap]
+    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    heap = [(w, r) for r, w in enumerate(work) if tokens[r] < cap]
     heapq.heapify(heap)
     parked: list[tuple[int, int]] = []  # (-room, rank)
     spill = []
-    tokens = ranks.tokens
+    heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
+    # Every rank has at most one entry, so the entries are distinct and each heap pops the
+    # least of its entries whatever their order in the list (heapreplace: pop, then push).
     for doc, length in docs:
         while parked and -parked[0][0] >= length:
-            _, rank = heapq.heappop(parked)
-            heapq.heappush(heap, (ranks.work[rank], rank))
+            _, rank = heappop(parked)
+            heappush(heap, (work[rank], rank))
         while heap and cap - tokens[heap[0][1]] < length:
-            _, rank = heapq.heappop(heap)
-            heapq.heappush(parked, (tokens[rank] - cap, rank))
+            _, rank = heappop(heap)
+            heappush(parked, (tokens[rank] - cap, rank))
         if heap:
-            _, rank = heapq.heappop(heap)
-            ranks.add(rank, doc, 0, length)
+            rank = heap[0][1]
+            # ranks.add(rank, doc, 0, length) inlined.
+            shards[rank].append(new_shard(Shard, (doc, 0, length)))
+            tokens[rank] += length
+            work[rank] += length * (length + 1) // 2
             if tokens[rank] < cap:
-                heapq.heappush(heap, (ranks.work[rank], rank))
+                heapreplace(heap, (work[rank], rank))
+            else:
+                heappop(heap)
         else:
             spill.append((doc, length))
     split_spill(ranks, spill, tail_largest=False)

@@ -19,12 +19,17 @@ log N). A doc that must be split (at most about 2N of them: longer than T or hea
 R x mean) costs O(N log N) for its zigzag width (m = 2 .. ``LINEAR_WIDTHS`` one by one,
 then a geometric grid of ``WIDTH_GROWTH``, each checked in O(N)), so O(N^2 log N) over a
 request in the worst case, and O(N) to cut it. ``finish``: ``refine.exchange``.
+
+On N <= ``REFRESH`` ranks the heap yields the rank of least current key, so runs of at
+least ``RUN_MIN`` equal docs (many short docs) are placed in blocks by ``place_run``,
+O(N) numpy work per doc instead of heap steps in Python.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Sequence
+from itertools import islice, repeat
 
 import numpy as np
 
@@ -63,10 +68,11 @@ def ends(ranks: Ranks, rank: int, share: float, load: float, density: float) -> 
 
 def place(
     doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, fill_aware: bool,
-    total_work: int, nested: bool = False,
+    total_work: int, nested: bool = False, lengths: np.ndarray | None = None,
 ) -> tuple[Ranks, list[tuple[int, int]]]:
     """The layout so far and the docs left to split for tokens (module docstring;
-    ``total_work``: the docs' total workload)."""
+    ``total_work``: the docs' total workload; ``lengths``: ``doc_lengths`` as an int64
+    array, if at hand)."""
     rest_tokens = sum(doc_lengths)
     rest_work = total_work
     cap = -(-rest_tokens // n)
@@ -80,6 +86,10 @@ def place(
     dirty: list[int] = []  # ranks given a whole doc since ``lightest`` was last read
     density = float("inf")
     need = [0] * n  # KV each rank needs so far (cost.alltoallv_receives, kept up to date)
+    # The workloads and token counts as float arrays for ``_zigzag_ranks``, brought up to
+    # date from the ranks changed since (``touched``) when a doc must be split.
+    mirror: tuple[np.ndarray, np.ndarray] | None = None
+    touched: list[int] = []
     heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
     def rebuild() -> None:
@@ -87,7 +97,27 @@ def place(
         heapq.heapify(heap)
         parked.clear()
 
-    for doc in order:
+    # Long runs of equal docs on few ranks go by ``place_run``: docs -> (position in
+    # ``order``, docs left in its run) for the docs where it is tried next.
+    heads = run_heads(doc_lengths if lengths is None else lengths, order) if (
+        n <= REFRESH and total_work < EXACT) else {}
+    docs = iter(order)
+    for doc in docs:
+        if heads and doc in heads:
+            at, left = heads.pop(doc)
+            placed, changed, rest_tokens, rest_work, last = place_run(
+                doc_lengths[doc], order[at:at + left], ranks, allowed, rest_tokens, rest_work)
+            if left - placed - RUN_RETRY >= RUN_MIN:  # stopped short: tried again later
+                heads[order[at + placed + RUN_RETRY]] = (at + placed + RUN_RETRY,
+                                                         left - placed - RUN_RETRY)
+            if placed:
+                density = last
+                for r in changed:
+                    version[r] += 1
+                dirty += changed
+                rebuild()
+                next(islice(docs, placed - 1, placed - 1), None)  # skip the docs placed
+                continue
         length = doc_lengths[doc]
         doc_work = length * (length + 1) // 2
         rest_tokens -= length
@@ -142,6 +172,7 @@ def place(
             dirty.append(best)
             continue
         # The lightest heap gets the ranks whole docs went to since it was last read.
+        touched += dirty
         if len(dirty) > n // 4:
             lightest[:] = [(w, r) for r, w in enumerate(work)]
             heapq.heapify(lightest)
@@ -155,14 +186,17 @@ def place(
             spill.append((doc, length))  # light enough (or one token) but no room: split for tokens
             continue
         if nested and nested_zigzag(ranks, doc, length, allowed, density):
+            mirror = None
             need[:] = alltoallv_receives(shards)
             for r in range(n):
                 version[r] += 1
                 heapq.heappush(lightest, (work[r], r))
             rebuild()
             continue
-        chosen = _zigzag_ranks(ranks, length, doc_work, allowed, density if fill_aware else 0.0,
-                               density)
+        mirror = mirrored(mirror, work, tokens, touched)
+        touched.clear()
+        chosen = _zigzag_ranks(*mirror, cap, length, doc_work, allowed,
+                               density if fill_aware else 0.0, density)
         if chosen is None:
             spill.append((doc, length))  # no m ranks have room for shares: split for tokens
             continue
@@ -170,6 +204,7 @@ def place(
         chosen.sort(key=need.__getitem__)
         before = [tokens[r] for r in chosen]
         zigzag(ranks, chosen, doc, length)
+        touched += chosen
         for r, held in zip(chosen, before, strict=True):
             if tokens[r] > held:  # the prefix up to its top chunk, less its own tokens
                 need[r] += shards[r][-1][2] - (tokens[r] - held)
@@ -193,7 +228,152 @@ def place(
     return ranks, spill
 
 
-def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill: float,
+def mirrored(mirror: tuple[np.ndarray, np.ndarray] | None, work: list[int], tokens: list[int],
+            touched: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The ranks' workloads and token counts as float64 arrays (through int64, exact:
+    workloads stay below 2^62), ``mirror`` updated at the ``touched`` ranks (repeats
+    allowed) where that is cheaper than converting every rank. O(N) or O(touched)."""
+    if mirror is None or len(touched) > len(work) // 4:
+        # Through int64: twice as fast as straight to float.
+        return (np.array(work, dtype=np.int64).astype(np.float64),
+                np.array(tokens, dtype=np.int64).astype(np.float64))
+    if touched:
+        work_f, tokens_f = mirror
+        work_f[touched] = np.array([work[r] for r in touched], dtype=np.int64)
+        tokens_f[touched] = np.array([tokens[r] for r in touched], dtype=np.int64)
+    return mirror
+
+
+EXACT = 1 << 53
+"""Total workload below which int64 figures convert to float64 exactly (``place_run``)."""
+RUN_MIN = 64
+"""Equal docs in a row from which ``place`` places them by ``place_run``."""
+RUN_RETRY = 64
+"""Docs of a run placed one by one after ``place_run`` stops short, before it is tried
+again."""
+RUN_BLOCK = (64, 4096)
+"""Smallest and largest block of docs ``place_run`` checks at once."""
+
+
+def run_heads(doc_lengths: Sequence[int] | np.ndarray,
+              order: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """The first doc of every run of at least ``RUN_MIN`` equal lengths in ``order``:
+    doc -> (its position in ``order``, the run's length); none on fewer than 4 x
+    ``RUN_MIN`` docs (one by one, they take little time). O(D) in numpy."""
+    if len(order) < 4 * RUN_MIN:
+        return {}
+    lengths = np.asarray(doc_lengths, dtype=np.int64)[np.asarray(order, dtype=np.int64)]
+    starts = np.flatnonzero(np.concatenate(([True], lengths[1:] != lengths[:-1])))
+    sizes = np.diff(np.append(starts, len(lengths)))
+    long = sizes >= RUN_MIN
+    return {order[at]: (at, size) for at, size in zip(starts[long].tolist(), sizes[long].tolist(),
+                                                      strict=True)}
+
+
+def place_run(
+    length: int, docs: Sequence[int], ranks: Ranks, allowed: float, rest_tokens: int,
+    rest_work: int,
+) -> tuple[int, list[int], int, int, float]:
+    """Place a leading part of a run of equal docs (each ``length`` tokens, in order) as
+    ``place``'s loop would on N <= ``REFRESH`` ranks, where it takes for each doc the rank
+    with room of the least key work - tokens x density (ties: the lowest rank), whole if
+    that rank stays within ``allowed``. Returns (docs placed, the ranks given docs, the
+    tokens and workload left unplaced, the density after the last doc placed).
+
+    Blocks of docs at once (all figures exact: the workload is below ``EXACT``): the ranks
+    are predicted as if the density stayed at the block's first (``run_ranks``), then every
+    doc's rank is checked by the keys of all ranks given the predicted ranks before it;
+    the docs up to the first miss are placed, and the miss itself by the keys checked. It
+    stops at a doc no rank can take whole (left to ``place``'s loop) or when checks miss
+    early (``RUN_BLOCK``'s smallest block). O(K N) per block of K docs, in numpy."""
+    n = len(ranks.work)
+    doc_work = length * (length + 1) // 2
+    cap, shards, tokens, work = ranks.capacity, ranks.shards, ranks.tokens, ranks.work
+    state_work = np.array(work, dtype=np.int64)
+    state_tokens = np.array(tokens, dtype=np.int64)
+    placed, block, density = 0, RUN_BLOCK[0], 0.0
+    changed: set[int] = set()
+    while placed < len(docs):
+        k = min(block, len(docs) - placed)
+        # The density after each doc of the block, as ``place`` computes it (exact: both
+        # sides below 2^53, one rounding).
+        steps = np.arange(1, k + 1, dtype=np.int64)
+        left_tokens, left_work = rest_tokens - steps * length, rest_work - steps * doc_work
+        densities = np.zeros(k)
+        some = left_tokens > 0
+        densities[some] = left_work[some] / left_tokens[some]
+        predicted = run_ranks(state_work, state_tokens, cap, length, doc_work,
+                              float(densities[0]), k)
+        # Work and tokens of every rank before each doc, given the predicted ranks.
+        given = np.zeros((k, n), dtype=np.int64)
+        given[np.arange(k), predicted] = 1
+        before = np.cumsum(given, axis=0) - given
+        work_before = state_work + before * doc_work
+        tokens_before = state_tokens + before * length
+        keys = work_before.astype(np.float64) - tokens_before.astype(np.float64) * densities[:, None]
+        room = tokens_before <= cap - length
+        keys[~room] = np.inf
+        best = keys.argmin(axis=1)
+        rows = np.arange(k)
+        whole = room[rows, best] & (work_before[rows, best] + doc_work <= allowed)
+        missed = np.flatnonzero(~whole | (best != predicted))
+        if not len(missed):
+            count, stop = k, False
+        elif whole[missed[0]]:  # mispredicted: its rank is the one checked (all before hit)
+            count, stop = int(missed[0]) + 1, False
+        else:  # no rank takes it whole
+            count, stop = int(missed[0]), True
+        if count:
+            chosen = best[:count]
+            block_docs = np.asarray(docs[placed:placed + count], dtype=np.int64)
+            for r in np.unique(chosen).tolist():
+                mine = block_docs[chosen == r].tolist()
+                shards[r].extend(map(new_shard, repeat(Shard), zip(mine, repeat(0), repeat(length))))
+                tokens[r] += len(mine) * length
+                work[r] += len(mine) * doc_work
+                state_tokens[r] = tokens[r]
+                state_work[r] = work[r]
+                changed.add(r)
+            placed += count
+            rest_tokens -= count * length
+            rest_work -= count * doc_work
+            density = float(densities[count - 1])
+        if stop or count < min(k, RUN_BLOCK[0]):
+            break
+        block = min(2 * block, RUN_BLOCK[1]) if count == k else max(RUN_BLOCK[0], count)
+    return placed, sorted(changed), rest_tokens, rest_work, density
+
+
+def run_ranks(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, doc_work: int,
+              density: float, count: int) -> np.ndarray:
+    """The ranks ``place_run`` expects the next ``count`` equal docs to go to, were the
+    density to stay at ``density``: each doc to the rank of least key work - tokens x
+    density with room, a doc adding doc_work - length x density to its rank's key (the
+    same step for every rank), so the ranks take turns in the order of their keys' offsets
+    modulo that step; with no positive step, the least key takes docs until it is full.
+    Only a prediction (``place_run`` checks it). O(count N) in numpy."""
+    n = len(work)
+    keys = work.astype(np.float64) - tokens.astype(np.float64) * density
+    fits = np.minimum(np.maximum((cap - tokens) // length, 0), count)  # docs each can take
+    step = doc_work - length * density
+    ranks = np.arange(n)
+    with np.errstate(over="ignore", invalid="ignore"):
+        phase = (keys - keys.min()) / step if step > 0 else np.full(n, np.inf)
+    if not np.isfinite(phase).all():
+        by_key = np.lexsort((ranks, keys))
+        out = np.repeat(by_key, fits[by_key])
+    else:
+        lead = np.minimum(np.floor(phase), count).astype(np.int64)  # turns before its first
+        turn = np.lexsort((ranks, phase - np.floor(phase)))
+        level = np.arange(count)[:, None]
+        takes = (lead[turn] <= level) & (level < lead[turn] + fits[turn])
+        out = np.broadcast_to(turn, takes.shape)[takes]
+    out = out[:count]
+    return np.concatenate((out, np.zeros(count - len(out), dtype=np.int64))) if len(out) < count else out
+
+
+def _zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: int,
+                  doc_work: int, allowed: float, fill: float,
                   density: float) -> list[int] | None:
     """The fewest most lagging ranks with room for equal shares of the doc whose expected
     final workloads (``ends``, filled at ``fill``) stay within ``allowed`` (the widest
@@ -203,14 +383,8 @@ def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill
     O(N log N) in numpy for the lag order, then O(N) per width tried; widths too narrow
     for any rank's room, or too narrow for even the lightest rank to stay within
     ``allowed``, are skipped (they cannot succeed)."""
-    n = len(ranks.work)
-    # Through int64 (exact: workloads stay below 2^62): twice as fast as straight to float.
-    work = np.array(ranks.work, dtype=np.int64).astype(np.float64)
-    tokens = np.array(ranks.tokens, dtype=np.int64).astype(np.float64)
-    room = ranks.capacity - tokens
-    # Lag order: ascending work - tokens x density, ties by rank (a stable sort).
-    by_lag = np.argsort(work - tokens * density, kind="stable")
-    room_by_lag = room[by_lag]
+    n = len(work)
+    room = capacity - tokens
     most_room, lightest = float(room.max()), float(work.min())
     narrowest = 2
     if most_room > 0:
@@ -218,19 +392,28 @@ def _zigzag_ranks(ranks: Ranks, length: int, doc_work: int, allowed: float, fill
     if allowed > lightest:
         narrowest = max(narrowest, int(doc_work / (allowed - lightest)))
     widest = min(n, max(2, length))  # more ranks than tokens would hold nothing
+    # Lag order: ascending work - tokens x density, ties by rank (a stable sort).
+    by_lag = np.argsort(work - tokens * density, kind="stable")
+    room_by_lag, work_by_lag = room[by_lag], work[by_lag]
     for m in widths(widest):
         if m < narrowest and m < widest:
             continue
         share = -(-length // m)
-        fit = np.flatnonzero(room_by_lag >= share)[:m]
+        fit = (room_by_lag >= share).nonzero()[0][:m]
         if len(fit) < m:
             continue
-        chosen = by_lag[fit]
         if m == widest:
-            return chosen.tolist()
-        after = np.maximum(0.0, room[chosen] - length / m)
-        if float((work[chosen] + doc_work / m + after * fill).max()) <= allowed:
-            return chosen.tolist()
+            return by_lag[fit].tolist()
+        # The expected final workloads (``ends``) of the m ranks.
+        after = room_by_lag[fit]
+        after -= length / m
+        np.maximum(0.0, after, out=after)
+        after *= fill
+        ends = work_by_lag[fit]
+        ends += doc_work / m
+        ends += after
+        if ends.max() <= allowed:
+            return by_lag[fit].tolist()
     return None
 
 

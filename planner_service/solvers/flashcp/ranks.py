@@ -1,7 +1,8 @@
 """The layout under construction: per-rank shards, token counts and workloads.
 
 Every operation here is O(1) per shard added (``Ranks.add``), O(N + shards) to copy, and
-O(L / m + m) for an equal zigzag of one doc over m ranks; ``zigzagged`` O(s).
+O(L / m + m) for an equal zigzag of one doc over m ranks; ``zigzagged`` and ``measure``
+O(s).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from itertools import accumulate
 from operator import itemgetter
 
+from planner_service.core.cost import rank_receive
 from planner_service.core.plan import Shard
 
 new_shard = tuple.__new__
@@ -70,6 +72,17 @@ def zigzag(ranks: Ranks, chosen: Sequence[int], doc: int, length: int) -> None:
 
 
 _doc_of = itemgetter(0)
+
+
+def measure(ranks: Ranks) -> tuple[int, list[int]]:
+    """(the most KV any rank receives in the exact all-to-all-v, ``zigzagged(ranks)``) in
+    one pass over the shards (``cost.rank_receive`` per rank). O(s)."""
+    receives, doubled = [], set()
+    for shards in ranks.shards:
+        receive, repeated = rank_receive(shards)
+        receives.append(receive)
+        doubled.update(repeated)
+    return max(receives), sorted(doubled)
 
 
 def zigzagged(ranks: Ranks) -> list[int]:

@@ -56,7 +56,7 @@ from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.flashcp.paper import MAX_PER_DOC, algorithm1
 from planner_service.solvers.flashcp.place import finish, place
-from planner_service.solvers.flashcp.ranks import Ranks, zigzagged
+from planner_service.solvers.flashcp.ranks import Ranks, measure, zigzagged
 from planner_service.solvers.flashcp.refine import descend
 
 
@@ -173,18 +173,24 @@ def flashcp_shards(
     n = num_ranks
     cost = objective(comm_mode)
     # Longest first, ties by index (a stable sort of the negated lengths; lengths < 2^31).
-    order = np.argsort(-np.array(doc_lengths, dtype=np.int64), kind="stable").tolist()
-    total_work = sum(length * (length + 1) for length in doc_lengths) // 2  # sum of doc_workload
+    lengths = np.array(doc_lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable").tolist()
+    if len(lengths) and int(lengths.sum()) < 1 << 31:
+        # The sum of doc_workload, exact in int64: below (2^31)^2 / 2.
+        total_work = int((lengths * (lengths + 1) // 2).sum())
+    else:
+        total_work = sum(length * (length + 1) for length in doc_lengths) // 2
     allowed = target * total_work / n
     fallback: tuple[float, Ranks] | None = None
     steps = DESCENT_STEPS if len(order) * n <= SEARCH_BUDGET and comm_mode not in (
         "full", "p2p_ring") else 0
     if n > 1:
         for batch in passes(doc_lengths, order, n, allowed):
-            found: list[tuple[int, int, Ranks, bool]] = []  # (receive, index, layout, descend)
+            # (receive, index, layout, descend, its zigzagged docs)
+            found: list[tuple[int, int, Ranks, bool, list[int]]] = []
             for spec in batch:
                 placed, spill = place(doc_lengths, spec.order, n, allowed, spec.fill_aware,
-                                      total_work, spec.nested)
+                                      total_work, spec.nested, lengths=lengths)
                 # Without docs to spill, the spill orders give the same layout: finish one.
                 spills = spec.spills if spill else spec.spills[:1]
                 for i, tail_largest in enumerate(spills):
@@ -192,8 +198,9 @@ def flashcp_shards(
                     finish(ranks, spill, allowed, tail_largest)
                     imb = imbalance(ranks.work)
                     if imb <= target:
-                        found.append((max(alltoallv_receives(ranks.shards)), len(found), ranks,
-                                      spec.descend and steps > 0))
+                        receive, doubled = measure(ranks)
+                        found.append((receive, len(found), ranks, spec.descend and steps > 0,
+                                      doubled))
                     elif fallback is None or imb < fallback[0]:
                         fallback = (imb, ranks)
             if found:
@@ -207,8 +214,8 @@ def flashcp_shards(
 
 
 def _choose(
-    found: list[tuple[int, int, Ranks, bool]], doc_lengths: Sequence[int], n: int, target: float,
-    total_work: int, allowed: float, steps: int, comm_mode: str,
+    found: list[tuple[int, int, Ranks, bool, list[int]]], doc_lengths: Sequence[int], n: int,
+    target: float, total_work: int, allowed: float, steps: int, comm_mode: str,
     cost: Callable[[Ranks], tuple[int, ...]],
 ) -> tuple[list[list[Shard]], list[int]]:
     """The layout meeting R with the least ``cost`` (module docstring, step 2): the
@@ -218,25 +225,28 @@ def _choose(
     mean = total_work / n
     slack = 1.0 if len(doc_lengths) * n <= FULL_SLACK_BUDGET else DESCENT_SLACK
     # (layout, tie-break, its cost if already known: the receive found measured, under
-    # all-to-all-v, for a layout not descended since)
-    pool: list[tuple[Ranks, tuple[int, int], tuple[int, ...] | None]] = []
+    # all-to-all-v, for a layout not descended since; its zigzagged docs if known)
+    pool: list[tuple[Ranks, tuple[int, int], tuple[int, ...] | None, list[int] | None]] = []
     descended = 0
-    for receive, index, ranks, descend_it in found:
+    for receive, index, ranks, descend_it, doubled in found:
         known: tuple[int, ...] | None = (receive,) if comm_mode == "alltoallv" else None
+        kept: list[int] | None = doubled
         if descend_it and descended < DESCENDED:
             if comm_mode == "compact_allgather":
-                pool.append((ranks.copy(), (index, 1), None))  # the descent may add buffer tokens
+                # The descent may add buffer tokens.
+                pool.append((ranks.copy(), (index, 1), None, doubled))
             descend(ranks, mean + slack * (allowed - mean), steps)
             descended += 1
-            known = None
-        pool.append((ranks, (index, 0), known))
+            known = kept = None
+        pool.append((ranks, (index, 0), known, kept))
     if comm_mode == "compact_allgather":
         imb, paper, _ = algorithm1(doc_lengths, n, target,
                                    max_per_doc=paper_rounds(len(doc_lengths), n))
         if imb <= target:
-            pool.append((paper, (len(found), 0), None))
-    best = min(pool, key=lambda c: (cost(c[0]) if c[2] is None else c[2], c[1]))[0]
-    return best.shards, zigzagged(best)
+            pool.append((paper, (len(found), 0), None, None))
+    best, _, _, best_doubled = min(
+        pool, key=lambda c: (cost(c[0]) if c[2] is None else c[2], c[1]))
+    return best.shards, zigzagged(best) if best_doubled is None else best_doubled
 
 
 def flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
