@@ -1,0 +1,331 @@
+"""The varlen calls the runtime's flash path (``segments``) makes on one rank, counted.
+
+worker_runtime/segments.py splits a rank's document mask into flash-attn varlen calls. Per
+document held here, its local shards sorted by start ``S_1 .. S_m`` (``S_j = [s_j, e_j)``)
+and the remote gaps ``G_j = [e_{j-1}, s_j)`` (``e_0 = 0``). Documents are ordered by shard
+count, descending, ties by the local row of their first shard; query group ``j`` is the
+documents with at least ``j`` shards here (a prefix of that order). With ``M`` the most
+shards of one document on the rank, per pass:
+
+- ``A(j, i)``, ``i <= j``: queries ``S_j`` against keys ``S_i`` of every document of group
+  ``j``; causal (one square block per document) when ``i = j``, full otherwise.
+  ``M (M + 1) / 2`` calls, every one with ``|group j|`` document segments.
+- ``B(j, i)``, ``i <= j``: the same queries against ``G_i``, full, over the documents of
+  group ``j`` from the first to the last with a non-empty ``G_i``; skipped when every
+  ``G_i`` of the group is empty. A document inside that range whose gap is empty is still
+  a segment of the call (its query rows run against no key and are masked: *hollow*).
+
+flash-attn's tiles per document segment of ``q`` queries and ``k`` keys: ``ceil(q / tile_q)``
+query tiles; full: ``ceil(k / tile_k)`` key tiles each; causal square (``k = q``): query
+tile ``a`` reads ``ceil(min((a + 1) tile_q, q) / tile_k)`` key tiles. A started tile costs
+a whole tile. The local buffer is the caller's rows in place when the (group, document)
+order of the shards is their own order (every document with one shard here, for one).
+
+Two forms: per rank (:func:`segment_calls`, :func:`segment_work`: the reference, Python
+over the calls built as the runtime builds them) and a whole group at once
+(:func:`group_segment_work`: numpy, no loop over ranks or documents), compared on random
+groups in tests; the reference is checked against the runtime's ``build_segment_plan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from planner_service.core.plan import Shard
+
+
+def causal_tiles_of(starts: np.ndarray, lengths: np.ndarray, tile_q: int, tile_k: int) -> np.ndarray:
+    """Tiles of causal segments of ``lengths`` queries at doc positions ``starts`` with keys
+    ``[0, start + length)`` (int64 arrays): query tile ``a`` reads
+    ``ceil((start + min((a + 1) tile_q, length)) / tile_k)`` key tiles. O(query tiles)."""
+    if not len(starts):
+        return np.zeros(0, dtype=np.int64)
+    q_tiles = -(-lengths // tile_q)
+    shard_of_tile = np.repeat(np.arange(len(starts)), q_tiles)
+    # Index of each query tile within its segment: 0, 1, ... per segment.
+    first = np.cumsum(q_tiles) - q_tiles
+    j = np.arange(int(q_tiles.sum()), dtype=np.int64) - np.repeat(first, q_tiles)
+    last_row = starts[shard_of_tile] + np.minimum((j + 1) * tile_q, lengths[shard_of_tile])
+    return np.bincount(shard_of_tile, weights=-(-last_row // tile_k), minlength=len(starts)).astype(
+        np.int64
+    )
+
+
+def square_tiles(lengths: np.ndarray, tile_q: int, tile_k: int) -> np.ndarray:
+    """``causal_tiles_of`` for square blocks (start 0). When ``tile_k`` divides ``tile_q``
+    (the flash profiles), in closed form: query tiles ``a < n - 1`` read
+    ``(a + 1) tile_q / tile_k`` key tiles, the last ``ceil(length / tile_k)``; O(segments)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if tile_q % tile_k:
+        return causal_tiles_of(np.zeros_like(lengths), lengths, tile_q, tile_k)
+    n = -(-lengths // tile_q)
+    return np.where(n > 0, tile_q // tile_k * (n - 1) * n // 2 + -(-lengths // tile_k), 0)
+
+
+class Calls(NamedTuple):
+    """Calls of one kind (local or remote) of one rank, summed (ints; int64 arrays with
+    one entry per rank in :func:`group_segment_work`)."""
+
+    pairs: Any
+    """Query-key pairs computed: tiles x tile_q x tile_k."""
+    tiles: Any
+    segments: Any
+    """Document segments, summed over the calls (``per_seq_us`` each)."""
+    row_blocks: Any
+    """Query tiles (hollow segments' included)."""
+    calls: Any
+    queries: Any
+    """Query rows, summed over the calls."""
+    keys: Any
+    """Key rows, summed over the calls."""
+
+
+class SegmentWork(NamedTuple):
+    """One rank's calls on the segments path and what their copies depend on."""
+
+    local: Calls
+    """The ``A`` calls (own keys)."""
+    remote: Calls
+    """The ``B`` calls (the distinct remote keys)."""
+    pieces: Any
+    """M: query groups, each starting from its causal ``A(j, j)``."""
+    merge_rows: Any
+    """Query rows of the local calls merged into an accumulator (``A(j, i < j)``)."""
+    hollow_calls: Any
+    """Remote calls with a hollow segment (their results are masked: whole-call copies)."""
+    hollow_rows: Any
+    """Query rows of those calls."""
+    whole_local: Any
+    """Local calls whose queries are every local row (their log-sum-exp slice is the whole
+    accumulator, already contiguous in backward)."""
+    whole_remote: Any
+    """Remote calls likewise."""
+    remote_keys: Any
+    """F: the distinct remote KV (the gaps' tokens)."""
+    in_place: Any
+    """The caller's rows serve as the local buffer (no gathers, no index copies)."""
+
+
+class SegmentCall(NamedTuple):
+    """One call's shape: per document segment, query and key rows."""
+
+    remote: bool
+    causal: bool
+    queries: tuple[int, ...]
+    keys: tuple[int, ...]
+
+
+def segment_calls(shards: Sequence[Shard]) -> tuple[list[SegmentCall], bool]:
+    """(the rank's calls as the runtime builds them, whether the local buffer is in place)
+    for its shards in local-row order. O(M^2 D) for D documents; the reference."""
+    held = [s for s in shards if s.end > s.start]
+    by_doc: dict[int, list[tuple[int, Shard]]] = {}
+    for row, s in enumerate(held):
+        by_doc.setdefault(s.doc, []).append((row, s))
+    for pieces in by_doc.values():
+        pieces.sort(key=lambda p: p[1].start)
+    docs = sorted(by_doc, key=lambda d: (-len(by_doc[d]), by_doc[d][0][0]))
+    most = max((len(p) for p in by_doc.values()), default=0)
+
+    def piece(d: int, j: int) -> int:
+        s = by_doc[d][j][1]
+        return s.end - s.start
+
+    def gap(d: int, j: int) -> int:
+        prev_end = by_doc[d][j - 1][1].end if j else 0
+        return by_doc[d][j][1].start - prev_end
+
+    calls: list[SegmentCall] = []
+    buffer_rows: list[int] = []
+    for j in range(most):
+        group = [d for d in docs if len(by_doc[d]) > j]
+        buffer_rows += [by_doc[d][j][0] for d in group]
+        q = tuple(piece(d, j) for d in group)
+        for i in range(j + 1):
+            calls.append(SegmentCall(False, i == j, q, tuple(piece(d, i) for d in group)))
+            gaps = [gap(d, i) for d in group]
+            nonzero = [t for t, g in enumerate(gaps) if g]
+            if nonzero:
+                t0, t1 = nonzero[0], nonzero[-1] + 1
+                calls.append(SegmentCall(True, False, q[t0:t1], tuple(gaps[t0:t1])))
+    return calls, buffer_rows == list(range(len(held)))
+
+
+def segment_work(shards: Sequence[Shard], tile_q: int, tile_k: int) -> SegmentWork:
+    """The counts of :func:`segment_calls` (module docstring for the tiles)."""
+    calls, in_place = segment_calls(shards)
+    real = sum(s.end - s.start for s in shards if s.end > s.start)
+
+    def tiles(c: SegmentCall) -> int:
+        if c.causal:
+            return int(square_tiles(np.array(c.queries, dtype=np.int64), tile_q, tile_k).sum())
+        return sum(-(-q // tile_q) * -(-k // tile_k) for q, k in zip(c.queries, c.keys, strict=True))
+
+    def summed(remote: bool) -> Calls:
+        kind = [c for c in calls if c.remote == remote]
+        t = sum(tiles(c) for c in kind)
+        return Calls(t * tile_q * tile_k, t, sum(len(c.queries) for c in kind),
+                     sum(-(-q // tile_q) for c in kind for q in c.queries), len(kind),
+                     sum(sum(c.queries) for c in kind), sum(sum(c.keys) for c in kind))
+
+    hollow = [c for c in calls if c.remote and 0 in c.keys]
+    whole = [c for c in calls if real and sum(c.queries) == real]
+    return SegmentWork(
+        local=summed(False), remote=summed(True),
+        pieces=sum(c.causal for c in calls),
+        merge_rows=sum(sum(c.queries) for c in calls if not c.remote and not c.causal),
+        hollow_calls=len(hollow), hollow_rows=sum(sum(c.queries) for c in hollow),
+        whole_local=sum(not c.remote for c in whole), whole_remote=sum(c.remote for c in whole),
+        remote_keys=_remote_keys(shards), in_place=in_place)
+
+
+def _remote_keys(shards: Sequence[Shard]) -> int:
+    """F: per document, the positions below the end of the rank's last shard of it that
+    the rank does not hold (the gaps)."""
+    held: dict[int, list[Shard]] = {}
+    for s in shards:
+        if s.end > s.start:
+            held.setdefault(s.doc, []).append(s)
+    return sum(max(s.end for s in ss) - sum(s.end - s.start for s in ss) for ss in held.values())
+
+
+# -- the whole group at once -------------------------------------------------------------------
+
+
+def _in_runs(x: np.ndarray, run_first: np.ndarray, run: np.ndarray, inclusive: bool) -> np.ndarray:
+    """Per entry, the sum of ``x`` over the earlier entries of its run (and itself if
+    ``inclusive``); entries sorted by run."""
+    cum = np.cumsum(x)
+    before_run = cum[run_first] - x[run_first]
+    out = cum - before_run[run]
+    return out if inclusive else out - x
+
+
+def _sums_by(keys: np.ndarray, n: int, *columns: Any) -> np.ndarray:
+    """``(len(columns), n)`` int64: per key 0 .. n - 1, each column summed over the entries
+    with that key (``keys`` non-decreasing); one cumulative sum for all columns."""
+    bounds = np.searchsorted(keys, np.arange(n + 1))
+    cum = np.zeros(len(keys) + 1, dtype=np.int64)
+    out = np.empty((len(columns), n), dtype=np.int64)
+    for row, col in zip(out, columns, strict=True):
+        np.cumsum(col, out=cum[1:])
+        np.subtract(cum[bounds[1:]], cum[bounds[:-1]], out=row)
+    return out
+
+
+def group_segment_work(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.ndarray,
+                       num_ranks: int, tile_q: int, tile_k: int) -> SegmentWork:
+    """:func:`segment_work` of every rank of a group: shard arrays rank by rank (``rank``
+    non-decreasing), each rank's shards in its local-row order; fields are int64 arrays
+    (``in_place`` bool) with one entry per rank. O(s log s + c + q) in numpy for s shards,
+    c candidate remote calls (``M (M + 1) / 2`` per rank) and q query tiles (only when
+    ``tile_k`` does not divide ``tile_q``); no loop over ranks or documents. Shards already
+    in (rank, doc, start) order, as plans hold them, skip both sorts: O(s + c) then."""
+    n = num_ranks
+    keep = end > start
+    if not keep.all():
+        rank, doc, start, end = rank[keep], doc[keep], start[keep], end[keep]
+    zero = np.zeros(n, dtype=np.int64)
+    if not len(rank):
+        none = Calls(zero, zero, zero, zero, zero, zero, zero)
+        return SegmentWork(none, none, zero, zero, zero, zero, zero, zero, zero,
+                           np.ones(n, dtype=bool))
+    same_rank = rank[1:] == rank[:-1]
+    same_doc = same_rank & (doc[1:] == doc[:-1])
+    in_order = bool(np.all(same_doc & (start[1:] > start[:-1]) | same_rank & (doc[1:] > doc[:-1])
+                           | (rank[1:] > rank[:-1])))
+    if in_order:
+        order = np.arange(len(rank), dtype=np.int64)
+        r, d, s, e = rank, doc, start, end
+        head = np.ones(len(r), dtype=bool)
+        head[1:] = ~same_doc
+    else:
+        order = np.lexsort((start, doc, rank))
+        r, d, s, e = rank[order], doc[order], start[order], end[order]
+        head = np.ones(len(r), dtype=bool)
+        head[1:] = (r[1:] != r[:-1]) | (d[1:] != d[:-1])
+    length = e - s
+    run_first = np.flatnonzero(head)
+    run = np.cumsum(head) - 1
+    j = np.arange(len(r), dtype=np.int64) - run_first[run]  # piece index within its doc
+    m_run = np.diff(np.append(run_first, len(r)))
+    m = m_run[run]
+    prev_end = np.empty_like(e)
+    prev_end[0] = 0
+    prev_end[1:] = e[:-1]
+    gap = s - np.where(head, 0, prev_end)
+
+    # Document order t per rank: most shards first, then the local row of the first shard
+    # (the run order itself when the shards came in (doc, start) order).
+    run_rank = r[run_first]
+    if in_order:
+        key = run_rank * (int(m_run.max()) + 1) - m_run
+        by = (np.arange(len(key)) if bool(np.all(key[1:] >= key[:-1]))
+              else np.argsort(key, kind="stable"))
+    else:
+        by = np.lexsort((order[run_first], -m_run, run_rank))
+    rank_first_run = np.searchsorted(run_rank, np.arange(n))
+    t_run = np.empty(len(run_first), dtype=np.int64)
+    t_run[by] = np.arange(len(by)) - rank_first_run[run_rank[by]]
+    t = t_run[run]
+    has = np.zeros(n, dtype=bool)
+    has[run_rank] = True
+    most = zero.copy()
+    most[has] = m_run[by[rank_first_run[has]]]
+
+    # (rank, group j) table: D = documents with more than j shards = shards with index j.
+    cum_most = np.concatenate(([0], np.cumsum(most)))
+    pid = cum_most[r] + j
+    docs_in = np.bincount(pid, minlength=int(cum_most[-1]))
+    base = np.concatenate(([0], np.cumsum(docs_in)))
+    buf = base[pid] + t  # position in the local buffer's (rank, group, document) order
+
+    q_tiles = -(-length // tile_q)
+    local_tiles = square_tiles(length, tile_q, tile_k) + q_tiles * _in_runs(
+        -(-length // tile_k), run_first, run, False)
+    remote_tiles = q_tiles * _in_runs(-(-gap // tile_k), run_first, run, True)
+    real, lt, l_segs, l_blocks, l_queries, l_keys, merge_rows, rt, r_keys, far, moved = _sums_by(
+        r, n, length, local_tiles, (m - j == 1) * m * (m + 1) // 2, (j + 1) * q_tiles, (j + 1) * length,
+        length * (m - j), j * length, remote_tiles, gap * (m - j), gap, buf != order)
+    # l_segs: a doc of m shards is a segment of sum_{j <= m} j = m (m + 1) / 2 local calls,
+    # counted at its last shard.
+    local = Calls(lt * tile_q * tile_k, lt, l_segs, l_blocks, most * (most + 1) // 2, l_queries,
+                  l_keys)
+
+    # Remote call candidates (rank, j, i <= j); a call exists when some document of group j
+    # has a non-empty G_i. Non-empty gaps keyed by (rank, i, t), t < D(rank, j) for group j.
+    stride = int(docs_in.max()) + 1
+    nz = gap > 0
+    nz_key = np.sort(pid[nz] * stride + t[nz])
+    entry_rank = np.repeat(np.arange(n, dtype=np.int64), most)
+    entry_j = np.arange(len(docs_in), dtype=np.int64) - cum_most[entry_rank]
+    c_entry = np.repeat(np.arange(len(docs_in), dtype=np.int64), entry_j + 1)
+    c_i = np.arange(len(c_entry), dtype=np.int64) - np.repeat(
+        np.cumsum(entry_j + 1) - (entry_j + 1), entry_j + 1)
+    c_rank = entry_rank[c_entry]
+    p_i = (cum_most[c_rank] + c_i) * stride
+    lo = np.searchsorted(nz_key, p_i)
+    hi = np.searchsorted(nz_key, p_i + docs_in[c_entry])
+    exists = hi > lo
+    lo, hi, p_i, c_entry, c_rank = lo[exists], hi[exists], p_i[exists], c_entry[exists], c_rank[exists]
+    t0 = nz_key[lo] - p_i
+    t1 = nz_key[hi - 1] - p_i + 1
+    in_buffer = np.empty((2, len(r)), dtype=np.int64)
+    in_buffer[:, buf] = length, q_tiles
+    cum = np.zeros((2, len(r) + 1), dtype=np.int64)
+    np.cumsum(in_buffer, axis=1, out=cum[:, 1:])
+    b0, b1 = base[c_entry] + t0, base[c_entry] + t1
+    queries, blocks = cum[:, b1] - cum[:, b0]
+    hollow = (hi - lo) < (t1 - t0)
+    r_calls, r_segs, r_blocks, r_queries, hollow_calls, hollow_rows, whole_remote = _sums_by(
+        c_rank, n, np.ones(len(c_rank), dtype=np.int64), t1 - t0, blocks, queries, hollow,
+        hollow * queries, queries == real[c_rank])
+    remote = Calls(rt * tile_q * tile_k, rt, r_segs, r_blocks, r_calls, r_queries, r_keys)
+    return SegmentWork(
+        local=local, remote=remote, pieces=most, merge_rows=merge_rows,
+        hollow_calls=hollow_calls, hollow_rows=hollow_rows,
+        whole_local=(most == 1).astype(np.int64), whole_remote=whole_remote,
+        remote_keys=far, in_place=moved == 0)
