@@ -1,14 +1,26 @@
 """Per-layer step-time estimate of one rank: what the worker runtime executes, term by term.
 
-The runtime (worker_runtime/attention.py, overlap.py, ring.py, comm.py) runs one attention
-layer (forward + backward) on one of three paths, set by the kernel (:func:`execution_path`):
+The runtime (worker_runtime/attention.py, segattention.py, overlap.py, ring.py, comm.py)
+runs one attention layer (forward + backward) on one of four paths, set by the kernel and,
+for flash-attn, its ``flash_path`` (:func:`execution_path`):
 
-``gathered``  flash-attn (a ``segment``-tiling profile; CUDA, fp16/bf16), every comm mode.
-              Stack the local K and V, one blocking KV collective over the N - 1 peers,
-              gather every shard's keys ``[0, e)`` into contiguous K and V, one varlen
-              kernel call on the real queries, padding rows appended; backward mirrors it
-              (one blocking all-to-all returns dK/dV). A ``p2p_ring`` plan runs as the full
-              all-gather. Nothing overlaps; ``overlap`` has no effect.
+``segments``  flash-attn (a ``segment``-tiling profile; CUDA, fp16/bf16), the runtime's
+              default, every comm mode (a ``p2p_ring`` plan runs as ``full``). The lean
+              path's structure on varlen calls (core/segment_work.py): the K and V
+              collectives (two, async) start; the rank's own keys are gathered into
+              (group, document) order (none when that is their own order, e.g. every
+              document with one shard here) and the ``A(j, i)`` calls run while the
+              exchange is in flight, each merged into float32 output and log-sum-exp
+              accumulators; then one copy of the distinct remote KV and the ``B(j, i)``
+              calls, merged the same way. Backward: the B calls' gradients, the dK/dV
+              return (two collectives, async) in flight during the A calls' gradients.
+``gathered``  flash-attn with ``flash_path="gathered"`` (opt-out, or when flash-attn's
+              private varlen API fails the runtime's probe). Stack the local K and V, one
+              blocking KV collective over the N - 1 peers, gather every shard's keys
+              ``[0, e)`` into contiguous K and V, one varlen kernel call on the real
+              queries, padding rows appended; backward mirrors it (one blocking
+              all-to-all returns dK/dV). A ``p2p_ring`` plan runs as the full all-gather.
+              Nothing overlaps; ``overlap`` has no effect.
 ``lean``      the PyTorch kernel (a ``packed``-tiling profile), gather modes. The K and V
               collectives (two, async) start, the local call (every real query against the
               rank's own keys) runs while they are in flight, then one copy of the distinct
@@ -28,26 +40,35 @@ layer (forward + backward) on one of three paths, set by the kernel (:func:`exec
 Terms (forward + backward, milliseconds):
 
 ``kernel``  Sum over the path's calls: FLOPs at the profile's rates, plus
-            ``call_overhead_us`` per call (fwd + bwd), ``per_seq_us`` per shard (charged
-            once, with the local call), ``per_tile_us`` per tile and ``per_row_block_us``
-            per query tile. Gathered: ``segment`` tiling (FlashAttention): each shard of s
-            queries at doc position p runs ceil(s / tile_q) query tiles, query tile j
-            reading ceil((p + min((j + 1) tile_q, s)) / tile_k) key tiles; a started tile
-            costs a full tile (FlashCP Fig. 3, WLB-LLM section 5). Lean and ring: the
-            PyTorch kernel's blocks of tile_q query rows x tile_k keys over doc-masked key
-            sets (core/masked_work.py), dense inside a block.
-``copy``    Bytes written by the path's eager copies (:func:`path_rows`) at ``copy_gbps``,
-            plus ``op_overhead_us`` per op.
+            ``call_overhead_us`` per call (fwd + bwd), ``per_seq_us`` per document segment
+            (segments: per segment of every call; the other paths: per shard, once),
+            ``per_tile_us`` per tile and ``per_row_block_us`` per query tile. Flash-attn
+            tiles (``segment`` tiling; a started tile costs a full tile, FlashCP Fig. 3,
+            WLB-LLM section 5): gathered, each shard of s queries at doc position p runs
+            ceil(s / tile_q) query tiles, query tile j reading
+            ceil((p + min((j + 1) tile_q, s)) / tile_k) key tiles; segments, per document
+            segment of a call, a causal square of s rows the same with p = 0, a full
+            rectangle of q x k rows ceil(q / tile_q) ceil(k / tile_k) tiles (a hollow
+            segment: its query tiles, no key tile). Lean and ring: the PyTorch kernel's
+            blocks of tile_q query rows x tile_k keys over doc-masked key sets
+            (core/masked_work.py), dense inside a block.
+``copy``    Bytes written by the path's eager copies (:func:`path_rows`,
+            :func:`segment_rows`) at ``copy_gbps``, plus ``op_overhead_us`` per op. The
+            segments path's accumulators are float32 (float64 for float64 inputs).
 ``comm``    Exposed exchange. A collective over the N - 1 peers costs ``latency_us +
             (N - 1) per_peer_us``, a ring shift ``latency_us + per_peer_us``, plus bytes /
             bandwidth; R = tokens received per pass, T = rows per rank, b = K+V bytes per
             token, phi = the forward share of a call's time (:func:`forward_share`):
 
             - gathered: 2 X1 with X1 = one collective of R b bytes;
-            - lean, overlap off: 2 X with X = two collectives (K, V) of R b bytes in all;
-              on: max(0, X - phi K_loc) + max(0, X - ((1 - phi) K_loc + C_win)), K_loc the
-              local call, C_win the copies between backward's start and wait (the remote
-              queries' dQ add, the dK/dV concatenation);
+            - lean and segments, overlap off: 2 X with X = two collectives (K, V) of R b
+              bytes in all; on: max(0, X - H_f) + max(0, X - H_b) with, lean,
+              H_f = phi K_loc and H_b = (1 - phi) K_loc + C_win, K_loc the local call,
+              C_win the copies between backward's start and wait (the remote queries' dQ
+              add, the dK/dV concatenation); segments, H_f = phi K_A + the copies before
+              the forward wait (:func:`segment_forward_window_rows`) and H_b =
+              (1 - phi) K_A + the copies before the backward wait
+              (:func:`segment_backward_window_rows`), K_A the A calls;
             - ring, t = one shift of T b bytes; overlap off: 3 (N - 1) t; on:
               max(0, t - phi K_loc) + sum over steps s = 1..N-2 of max(0, t - W_s)
               + max(0, t - (1 - phi) K_loc) + sum over steps s = 2..N-1 of max(0, t - B_s)
