@@ -330,6 +330,8 @@ def test_group_segment_work_equals_the_reference(seed):
     shards = random_group(rng, n, rng.randint(1, 8), 500)
     if rng.random() < 0.3:  # a rank's shards in another local-row order than (doc, start)
         shards = [rng.sample(rank, len(rank)) for rank in shards]
+    if seed % 5 == 0:  # what metrics may be given: empty, repeated and overlapping shards
+        shards = [[*rank, Shard(0, 3, 3), *rank[:1], Shard(0, 5, 40)] for rank in shards]
     tq, tk = rng.choice([(128, 64), (128, 128), (16, 24), (8, 8), (64, 128)])
     a = cost.shard_arrays(shards)
     got = sgw.group_segment_work(a.rank, a.doc, a.start, a.end, n, tq, tk)

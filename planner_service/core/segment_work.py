@@ -118,9 +118,11 @@ class SegmentCall(NamedTuple):
     keys: tuple[int, ...]
 
 
-def segment_calls(shards: Sequence[Shard]) -> tuple[list[SegmentCall], bool]:
-    """(the rank's calls as the runtime builds them, whether the local buffer is in place)
-    for its shards in local-row order. O(M^2 D) for D documents; the reference."""
+def segment_calls(shards: Sequence[Shard]) -> tuple[list[SegmentCall], bool, int]:
+    """(the rank's calls as the runtime builds them, whether the local buffer is in place,
+    F the distinct remote KV: the gaps' tokens) for its shards in local-row order. O(M^2 D)
+    for D documents; the reference. Plans hold disjoint shards; overlapping ones (which
+    the runtime refuses) are given empty gaps, as :func:`group_segment_work` does."""
     held = [s for s in shards if s.end > s.start]
     by_doc: dict[int, list[tuple[int, Shard]]] = {}
     for row, s in enumerate(held):
@@ -136,10 +138,11 @@ def segment_calls(shards: Sequence[Shard]) -> tuple[list[SegmentCall], bool]:
 
     def gap(d: int, j: int) -> int:
         prev_end = by_doc[d][j - 1][1].end if j else 0
-        return by_doc[d][j][1].start - prev_end
+        return max(0, by_doc[d][j][1].start - prev_end)  # 0 for overlapping shards
 
     calls: list[SegmentCall] = []
     buffer_rows: list[int] = []
+    remote_keys = sum(gap(d, j) for d in docs for j in range(len(by_doc[d])))
     for j in range(most):
         group = [d for d in docs if len(by_doc[d]) > j]
         buffer_rows += [by_doc[d][j][0] for d in group]
@@ -151,12 +154,12 @@ def segment_calls(shards: Sequence[Shard]) -> tuple[list[SegmentCall], bool]:
             if nonzero:
                 t0, t1 = nonzero[0], nonzero[-1] + 1
                 calls.append(SegmentCall(True, False, q[t0:t1], tuple(gaps[t0:t1])))
-    return calls, buffer_rows == list(range(len(held)))
+    return calls, buffer_rows == list(range(len(held))), remote_keys
 
 
 def segment_work(shards: Sequence[Shard], tile_q: int, tile_k: int) -> SegmentWork:
     """The counts of :func:`segment_calls` (module docstring for the tiles)."""
-    calls, in_place = segment_calls(shards)
+    calls, in_place, remote_keys = segment_calls(shards)
     real = sum(s.end - s.start for s in shards if s.end > s.start)
 
     def tiles(c: SegmentCall) -> int:
@@ -179,17 +182,7 @@ def segment_work(shards: Sequence[Shard], tile_q: int, tile_k: int) -> SegmentWo
         merge_rows=sum(sum(c.queries) for c in calls if not c.remote and not c.causal),
         hollow_calls=len(hollow), hollow_rows=sum(sum(c.queries) for c in hollow),
         whole_local=sum(not c.remote for c in whole), whole_remote=sum(c.remote for c in whole),
-        remote_keys=_remote_keys(shards), in_place=in_place)
-
-
-def _remote_keys(shards: Sequence[Shard]) -> int:
-    """F: per document, the positions below the end of the rank's last shard of it that
-    the rank does not hold (the gaps)."""
-    held: dict[int, list[Shard]] = {}
-    for s in shards:
-        if s.end > s.start:
-            held.setdefault(s.doc, []).append(s)
-    return sum(max(s.end for s in ss) - sum(s.end - s.start for s in ss) for ss in held.values())
+        remote_keys=remote_keys, in_place=in_place)
 
 
 # -- the whole group at once -------------------------------------------------------------------
@@ -256,7 +249,7 @@ def group_segment_work(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end
     prev_end = np.empty_like(e)
     prev_end[0] = 0
     prev_end[1:] = e[:-1]
-    gap = s - np.where(head, 0, prev_end)
+    gap = np.maximum(s - np.where(head, 0, prev_end), 0)
 
     # Document order t per rank: most shards first, then the local row of the first shard
     # (the run order itself when the shards came in (doc, start) order).
