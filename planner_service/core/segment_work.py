@@ -188,27 +188,6 @@ def segment_work(shards: Sequence[Shard], tile_q: int, tile_k: int) -> SegmentWo
 # -- the whole group at once -------------------------------------------------------------------
 
 
-def _in_runs(x: np.ndarray, run_first: np.ndarray, run: np.ndarray, inclusive: bool) -> np.ndarray:
-    """Per entry, the sum of ``x`` over the earlier entries of its run (and itself if
-    ``inclusive``); entries sorted by run."""
-    cum = np.cumsum(x)
-    before_run = cum[run_first] - x[run_first]
-    out = cum - before_run[run]
-    return out if inclusive else out - x
-
-
-def _sums_by(keys: np.ndarray, n: int, *columns: Any) -> np.ndarray:
-    """``(len(columns), n)`` int64: per key 0 .. n - 1, each column summed over the entries
-    with that key (``keys`` non-decreasing); one cumulative sum for all columns."""
-    bounds = np.searchsorted(keys, np.arange(n + 1))
-    cum = np.zeros(len(keys) + 1, dtype=np.int64)
-    out = np.empty((len(columns), n), dtype=np.int64)
-    for row, col in zip(out, columns, strict=True):
-        np.cumsum(col, out=cum[1:])
-        np.subtract(cum[bounds[1:]], cum[bounds[:-1]], out=row)
-    return out
-
-
 def group_segment_work(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.ndarray,
                        num_ranks: int, tile_q: int, tile_k: int) -> SegmentWork:
     """:func:`segment_work` of every rank of a group: shard arrays rank by rank (``rank``
@@ -226,48 +205,55 @@ def group_segment_work(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end
         none = Calls(zero, zero, zero, zero, zero, zero, zero)
         return SegmentWork(none, none, zero, zero, zero, zero, zero, zero, zero,
                            np.ones(n, dtype=bool))
+    count = len(rank)
     same_rank = rank[1:] == rank[:-1]
     same_doc = same_rank & (doc[1:] == doc[:-1])
     in_order = bool(np.all(same_doc & (start[1:] > start[:-1]) | same_rank & (doc[1:] > doc[:-1])
                            | (rank[1:] > rank[:-1])))
+    head = np.ones(count, dtype=bool)
     if in_order:
-        order = np.arange(len(rank), dtype=np.int64)
-        r, d, s, e = rank, doc, start, end
-        head = np.ones(len(r), dtype=bool)
-        head[1:] = ~same_doc
+        order = np.arange(count, dtype=np.int64)
+        r, s, e = rank, start, end
+        np.logical_not(same_doc, out=head[1:])
     else:
         order = np.lexsort((start, doc, rank))
         r, d, s, e = rank[order], doc[order], start[order], end[order]
-        head = np.ones(len(r), dtype=bool)
         head[1:] = (r[1:] != r[:-1]) | (d[1:] != d[:-1])
-    length = e - s
+    # Runs: a rank's shards of one doc, by start; j = a shard's piece index in its run.
     run_first = np.flatnonzero(head)
     run = np.cumsum(head) - 1
-    j = np.arange(len(r), dtype=np.int64) - run_first[run]  # piece index within its doc
-    m_run = np.diff(np.append(run_first, len(r)))
+    j = order - run_first[run] if in_order else np.arange(count) - run_first[run]
+    m_run = np.diff(np.append(run_first, count))
     m = m_run[run]
+    length = e - s
     prev_end = np.empty_like(e)
     prev_end[0] = 0
     prev_end[1:] = e[:-1]
-    gap = np.maximum(s - np.where(head, 0, prev_end), 0)
-
+    prev_end[head] = 0
+    gap = np.maximum(s - prev_end, 0)
+    per_rank = _summer(r, n)
     # Document order t per rank: most shards first, then the local row of the first shard
     # (the run order itself when the shards came in (doc, start) order).
     run_rank = r[run_first]
+    most_shards = int(m_run.max())
     if in_order:
-        key = run_rank * (int(m_run.max()) + 1) - m_run
-        by = (np.arange(len(key)) if bool(np.all(key[1:] >= key[:-1]))
+        key = run_rank * (most_shards + 1) - m_run
+        by = (None if most_shards == 1 or bool(np.all(key[1:] >= key[:-1]))
               else np.argsort(key, kind="stable"))
     else:
         by = np.lexsort((order[run_first], -m_run, run_rank))
     rank_first_run = np.searchsorted(run_rank, np.arange(n))
-    t_run = np.empty(len(run_first), dtype=np.int64)
-    t_run[by] = np.arange(len(by)) - rank_first_run[run_rank[by]]
+    if by is None:  # already in document order
+        t_run = np.arange(len(run_first)) - rank_first_run[run_rank]
+    else:
+        t_run = np.empty(len(run_first), dtype=np.int64)
+        t_run[by] = np.arange(len(by)) - rank_first_run[run_rank[by]]
     t = t_run[run]
     has = np.zeros(n, dtype=bool)
     has[run_rank] = True
-    most = zero.copy()
-    most[has] = m_run[by[rank_first_run[has]]]
+    first_doc = rank_first_run[has] if by is None else by[rank_first_run[has]]
+    most = zero.copy()  # M: the first document in order has the most shards
+    most[has] = m_run[first_doc]
 
     # (rank, group j) table: D = documents with more than j shards = shards with index j.
     cum_most = np.concatenate(([0], np.cumsum(most)))
@@ -277,48 +263,77 @@ def group_segment_work(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end
     buf = base[pid] + t  # position in the local buffer's (rank, group, document) order
 
     q_tiles = -(-length // tile_q)
-    local_tiles = square_tiles(length, tile_q, tile_k) + q_tiles * _in_runs(
-        -(-length // tile_k), run_first, run, False)
-    remote_tiles = q_tiles * _in_runs(-(-gap // tile_k), run_first, run, True)
-    real, lt, l_segs, l_blocks, l_queries, l_keys, merge_rows, rt, r_keys, far, moved = _sums_by(
-        r, n, length, local_tiles, (m - j == 1) * m * (m + 1) // 2, (j + 1) * q_tiles, (j + 1) * length,
-        length * (m - j), j * length, remote_tiles, gap * (m - j), gap, buf != order)
-    # l_segs: a doc of m shards is a segment of sum_{j <= m} j = m (m + 1) / 2 local calls,
-    # counted at its last shard.
-    local = Calls(lt * tile_q * tile_k, lt, l_segs, l_blocks, most * (most + 1) // 2, l_queries,
-                  l_keys)
+    k_tiles = -(-length // tile_k)
+    if tile_q % tile_k:
+        square = causal_tiles_of(np.zeros_like(length), length, tile_q, tile_k)
+    else:  # square_tiles in closed form (every length >= 1 here)
+        square = tile_q // tile_k * (q_tiles - 1) * q_tiles // 2 + k_tiles
+    jp = j + 1
+    rest = m - j  # the calls whose keys are piece j: groups j .. m - 1
+    real = per_rank(length)
+    lt = per_rank(square + q_tiles * _in_runs(k_tiles, run_first, run, False))
+    l_queries = per_rank(jp * length)
+    local = Calls(lt * tile_q * tile_k, lt, per_rank(jp), per_rank(jp * q_tiles),
+                  most * (most + 1) // 2, l_queries, per_rank(length * rest))
+    rt = per_rank(q_tiles * _in_runs(-(-gap // tile_k), run_first, run, True))
+    r_keys, far, moved = per_rank(gap * rest), per_rank(gap), per_rank(buf != order)
 
-    # Remote call candidates (rank, j, i <= j); a call exists when some document of group j
-    # has a non-empty G_i. Non-empty gaps keyed by (rank, i, t), t < D(rank, j) for group j.
-    stride = int(docs_in.max()) + 1
-    nz = gap > 0
-    nz_key = np.sort(pid[nz] * stride + t[nz])
+    # Remote call candidates (rank, j, i <= j); one exists when some document of group j has
+    # a non-empty G_i. In buffer order, group i's documents are positions base[(rank, i)] +
+    # t, and group j's are the first D(rank, j) of them (j >= i).
+    at = np.empty(count, dtype=np.int64)
+    at[buf] = np.arange(count)
+    nonzero = gap[at] > 0
+    nz_count = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(nonzero, out=nz_count[1:])
+    nz_pos = np.flatnonzero(nonzero)
     entry_rank = np.repeat(np.arange(n, dtype=np.int64), most)
     entry_j = np.arange(len(docs_in), dtype=np.int64) - cum_most[entry_rank]
     c_entry = np.repeat(np.arange(len(docs_in), dtype=np.int64), entry_j + 1)
-    c_i = np.arange(len(c_entry), dtype=np.int64) - np.repeat(
-        np.cumsum(entry_j + 1) - (entry_j + 1), entry_j + 1)
     c_rank = entry_rank[c_entry]
-    p_i = (cum_most[c_rank] + c_i) * stride
-    lo = np.searchsorted(nz_key, p_i)
-    hi = np.searchsorted(nz_key, p_i + docs_in[c_entry])
+    c_block = base[cum_most[c_rank] + np.arange(len(c_entry), dtype=np.int64) - np.repeat(
+        np.cumsum(entry_j + 1) - (entry_j + 1), entry_j + 1)]  # base of (rank, i)
+    lo = nz_count[c_block]
+    hi = nz_count[c_block + docs_in[c_entry]]
     exists = hi > lo
-    lo, hi, p_i, c_entry, c_rank = lo[exists], hi[exists], p_i[exists], c_entry[exists], c_rank[exists]
-    t0 = nz_key[lo] - p_i
-    t1 = nz_key[hi - 1] - p_i + 1
-    in_buffer = np.empty((2, len(r)), dtype=np.int64)
-    in_buffer[:, buf] = length, q_tiles
-    cum = np.zeros((2, len(r) + 1), dtype=np.int64)
-    np.cumsum(in_buffer, axis=1, out=cum[:, 1:])
+    lo, hi, c_block, c_entry, c_rank = lo[exists], hi[exists], c_block[exists], c_entry[exists], c_rank[exists]
+    t0 = nz_pos[lo] - c_block
+    t1 = nz_pos[hi - 1] - c_block + 1
     b0, b1 = base[c_entry] + t0, base[c_entry] + t1
-    queries, blocks = cum[:, b1] - cum[:, b0]
+    cum_len = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(length[at], out=cum_len[1:])
+    cum_qt = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(q_tiles[at], out=cum_qt[1:])
+    queries = cum_len[b1] - cum_len[b0]
     hollow = (hi - lo) < (t1 - t0)
-    r_calls, r_segs, r_blocks, r_queries, hollow_calls, hollow_rows, whole_remote = _sums_by(
-        c_rank, n, np.ones(len(c_rank), dtype=np.int64), t1 - t0, blocks, queries, hollow,
-        hollow * queries, queries == real[c_rank])
-    remote = Calls(rt * tile_q * tile_k, rt, r_segs, r_blocks, r_calls, r_queries, r_keys)
+    per_call_rank = _summer(c_rank, n)
+    remote = Calls(rt * tile_q * tile_k, rt, per_call_rank(t1 - t0),
+                   per_call_rank(cum_qt[b1] - cum_qt[b0]), per_call_rank(np.ones_like(c_rank)),
+                   per_call_rank(queries), r_keys)
     return SegmentWork(
-        local=local, remote=remote, pieces=most, merge_rows=merge_rows,
-        hollow_calls=hollow_calls, hollow_rows=hollow_rows,
-        whole_local=(most == 1).astype(np.int64), whole_remote=whole_remote,
-        remote_keys=far, in_place=moved == 0)
+        local=local, remote=remote, pieces=most, merge_rows=l_queries - real,
+        hollow_calls=per_call_rank(hollow), hollow_rows=per_call_rank(hollow * queries),
+        whole_local=(most == 1).astype(np.int64),
+        whole_remote=per_call_rank(queries == real[c_rank]), remote_keys=far, in_place=moved == 0)
+
+
+def _summer(keys: np.ndarray, n: int) -> Any:
+    """A function summing an array over the entries of each key 0 .. n - 1 (``keys``
+    non-decreasing): one cumulative sum into a kept buffer, then the differences."""
+    bounds = np.searchsorted(keys, np.arange(n + 1))
+    cum = np.zeros(len(keys) + 1, dtype=np.int64)
+
+    def sums(x: np.ndarray) -> np.ndarray:
+        np.cumsum(x, out=cum[1:])
+        return cum[bounds[1:]] - cum[bounds[:-1]]
+
+    return sums
+
+
+def _in_runs(x: np.ndarray, run_first: np.ndarray, run: np.ndarray, inclusive: bool) -> np.ndarray:
+    """Per entry, the sum of ``x`` over the earlier entries of its run (and itself if
+    ``inclusive``); entries sorted by run."""
+    cum = np.cumsum(x)
+    before_run = cum[run_first] - x[run_first]
+    out = cum - before_run[run]
+    return out if inclusive else out - x
