@@ -342,13 +342,6 @@ def test_group_segment_work_equals_the_reference(seed):
         assert tuple(x[i].item() for x in got[2:]) == tuple(want[2:]), i
 
 
-def test_square_tiles_closed_form_equals_the_tile_walk():
-    lengths = np.arange(0, 700, dtype=np.int64)
-    for tq, tk in ((128, 64), (128, 128), (64, 16), (16, 24), (8, 24)):
-        np.testing.assert_array_equal(sgw.square_tiles(lengths, tq, tk),
-                                      attention_tiles_of(np.zeros_like(lengths), lengths, tq, tk))
-
-
 def test_segment_work_written_out_hollow_gap():
     # Three docs with one shard each; doc 1 from position 0 has no gap but lies between
     # the gaps of docs 0 and 2: the remote call spans it (a hollow segment).

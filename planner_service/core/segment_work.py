@@ -54,17 +54,6 @@ def causal_tiles_of(starts: np.ndarray, lengths: np.ndarray, tile_q: int, tile_k
     )
 
 
-def square_tiles(lengths: np.ndarray, tile_q: int, tile_k: int) -> np.ndarray:
-    """``causal_tiles_of`` for square blocks (start 0). When ``tile_k`` divides ``tile_q``
-    (the flash profiles), in closed form: query tiles ``a < n - 1`` read
-    ``(a + 1) tile_q / tile_k`` key tiles, the last ``ceil(length / tile_k)``; O(segments)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if tile_q % tile_k:
-        return causal_tiles_of(np.zeros_like(lengths), lengths, tile_q, tile_k)
-    n = -(-lengths // tile_q)
-    return np.where(n > 0, tile_q // tile_k * (n - 1) * n // 2 + -(-lengths // tile_k), 0)
-
-
 class Calls(NamedTuple):
     """Calls of one kind (local or remote) of one rank, summed (ints; int64 arrays with
     one entry per rank in :func:`group_segment_work`)."""
@@ -164,7 +153,8 @@ def segment_work(shards: Sequence[Shard], tile_q: int, tile_k: int) -> SegmentWo
 
     def tiles(c: SegmentCall) -> int:
         if c.causal:
-            return int(square_tiles(np.array(c.queries, dtype=np.int64), tile_q, tile_k).sum())
+            q = np.array(c.queries, dtype=np.int64)
+            return int(causal_tiles_of(np.zeros_like(q), q, tile_q, tile_k).sum())
         return sum(-(-q // tile_q) * -(-k // tile_k) for q, k in zip(c.queries, c.keys, strict=True))
 
     def summed(remote: bool) -> Calls:
@@ -222,7 +212,7 @@ def group_segment_work(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end
     # Runs: a rank's shards of one doc, by start; j = a shard's piece index in its run.
     run_first = np.flatnonzero(head)
     run = np.cumsum(head) - 1
-    j = order - run_first[run] if in_order else np.arange(count) - run_first[run]
+    j = np.arange(count) - run_first[run]
     m_run = np.diff(np.append(run_first, count))
     m = m_run[run]
     length = e - s
@@ -266,7 +256,7 @@ def group_segment_work(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end
     k_tiles = -(-length // tile_k)
     if tile_q % tile_k:
         square = causal_tiles_of(np.zeros_like(length), length, tile_q, tile_k)
-    else:  # square_tiles in closed form (every length >= 1 here)
+    else:  # closed form: query tile a < n - 1 reads (a + 1) tile_q / tile_k key tiles
         square = tile_q // tile_k * (q_tiles - 1) * q_tiles // 2 + k_tiles
     jp = j + 1
     rest = m - j  # the calls whose keys are piece j: groups j .. m - 1
@@ -296,7 +286,7 @@ def group_segment_work(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end
     lo = nz_count[c_block]
     hi = nz_count[c_block + docs_in[c_entry]]
     exists = hi > lo
-    lo, hi, c_block, c_entry, c_rank = lo[exists], hi[exists], c_block[exists], c_entry[exists], c_rank[exists]
+    lo, hi, c_block, c_entry, c_rank = (x[exists] for x in (lo, hi, c_block, c_entry, c_rank))
     t0 = nz_pos[lo] - c_block
     t1 = nz_pos[hi - 1] - c_block + 1
     b0, b1 = base[c_entry] + t0, base[c_entry] + t1
