@@ -3,23 +3,30 @@
     .venv/bin/python -m bench.model_check                 # full CPU calibration (bench/results/)
     .venv/bin/python -m bench.model_check --cpu-smoke DIR # tiny end-to-end run (CI), into DIR
     .venv/bin/python -m bench.model_check --device cuda   # NCCL + flash-attn (bench/gpu_check.py)
+    .venv/bin/python -m bench.model_check --cpu-smoke DIR --reference-segments  # flash's path on CPU
 
 1. Batches: packed sequences of the shared data sets (``wlbllm``, ``code``), parametric
    families (``family:pile``, ``family:redpajama``) and adversarial inputs (one doc filling
    the context; docs of 8 tokens), for N in {2, 3, 4, 8}, ``--tokens-per-rank`` tokens per
    rank (context = N x that). A batch is one sequence at one N; every strategy in
-   STRATEGIES plans it, each with its own exchange, run on the runtime's path for it
-   (core/step_time.py ``execution_path``): on CPU the PyTorch kernel's lean path for the
-   gather modes and a ring for ``p2p_ring``; on CUDA flash-attn's gathered path (a ring
-   plan as the full all-gather).
+   STRATEGIES plans it, each with its own exchange, run on the path the runtime takes for
+   it (``ContextParallelAttention.execution_path``): on CPU the PyTorch kernel's lean path
+   for the gather modes and a ring for ``p2p_ring``; on CUDA flash-attn's segments path
+   (the runtime's default; a ring plan as the full all-gather), or its gathered path where
+   flash-attn's private varlen API fails the runtime's probe. Each rank records the path
+   it ran, and the model prices the plan on that path (core/step_time.py
+   ``execution_path``; a mismatch is an error). ``--reference-segments`` runs the segments
+   path with the exact PyTorch segment kernel on any device (a check of this harness on
+   CPU; plans and the base profile are then ``h100-fa2``'s).
 2. Measure: one process group per N (gloo on loopback, 1 thread per rank; NCCL with one
    GPU per rank on CUDA). Per plan and rank, the median over ``--repeats`` of the
    runtime's forward+backward attention layer (``ContextParallelAttention`` call plus
    backward), of its kernel calls alone (the path's calls on the rank's own metadata:
-   gathered, one varlen call; lean, the local and remote calls; ring, the local call and
-   one per step with queries) and of its transfers alone (gathered: the exchanger's
-   blocking forward and backward; lean: the K/V and dK/dV collectives; ring: the
-   3 (N - 1) shifts), each waited for; copies = layer - kernel - exchange. On CPU the
+   segments, every varlen call forward and backward; gathered, one varlen call; lean, the
+   local and remote calls; ring, the local call and one per step with queries) and of its
+   transfers alone (segments and lean: the K/V and dK/dV collectives; gathered: the
+   exchanger's blocking forward and backward; ring: the 3 (N - 1) shifts), each waited
+   for; copies = layer - kernel - exchange. On CPU the
    times are each rank's process CPU time (the ranks of a world meet at a barrier before
    each measured function): the machine has fewer cores than ranks, and CPU time counts a
    rank's own work as if it had a core to itself, like a rank on its own GPU; a rank
@@ -64,13 +71,16 @@ from planner_service.core.profiles import (
     get_link_profile,
 )
 from planner_service.core.request import PlanRequest
-from planner_service.core.step_time import execution_path, plan_rank_terms
+from planner_service.core.step_time import plan_rank_terms
 from planner_service.data import make_source, pack_sequences
 from planner_service.solvers.registry import solve
 from worker_runtime import CommCounter, ContextParallelAttention, build_meta, varlen_attention
+from worker_runtime.comm import Exchanger
 from worker_runtime.kernels import VarlenMeta, attention_backward, attention_forward
 from worker_runtime.overlap import build_state
 from worker_runtime.ring import build_ring_state
+from worker_runtime.segattention import build_segment_state
+from worker_runtime.segkernels import ReferenceSegments, SegmentKernel, flash_segments
 from worker_runtime.testing import free_port, run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -133,11 +143,13 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], tuple[float, 
 
 
 def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: torch.device,
-                 dtype: torch.dtype, kernel: str, overlap: bool, path: str) -> dict[str, float]:
-    """This rank's layer, kernel and exchange times for ``plan`` on the runtime's ``path``
-    (collective over the world)."""
-    attn = ContextParallelAttention(plan, comm_mode=None, kernel=kernel, verify="never",
-                                    overlap=overlap)
+                 dtype: torch.dtype, kernel: str, overlap: bool,
+                 reference_segments: bool = False) -> dict[str, Any]:
+    """This rank's layer, kernel and exchange times for ``plan`` on the path the runtime
+    takes (collective over the world), and that path (``path``)."""
+    attn = ContextParallelAttention(
+        plan, comm_mode=None, kernel=kernel, verify="never", overlap=overlap,
+        segment_kernel=ReferenceSegments() if reference_segments else None)
     lay = attn.layout
     h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
     gen = torch.Generator(device=device).manual_seed(rank)
@@ -153,8 +165,12 @@ def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: 
         out = attn(q, k, v)
         torch.autograd.grad(out, (q, k, v), dout)
 
+    path, segment_kernel = attn.execution_path(q)
     if lay.group_index < 0:
         kernel_call = exchange = _nothing
+    elif path == "segments":
+        assert segment_kernel is not None
+        kernel_call, exchange = _segments_parts(attn, model, device, dtype, rand, segment_kernel)
     elif path == "gathered":
         kernel_call, exchange = _gathered_parts(attn, model, device, dtype, rand, kernel)
     elif path == "lean":
@@ -162,7 +178,7 @@ def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: 
     else:
         kernel_call, exchange = _ring_parts(attn, model, device, dtype, rand)
     timer = _timer(device)
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {"path": path}
     # CPU: process CPU time (see the module docstring); CUDA: wall time after a synchronize.
     primary = 1 if device.type == "cuda" else 0
     for name, fn in (("layer", layer), ("kernel", kernel_call), ("exchange", exchange)):
@@ -234,24 +250,62 @@ def _call(model: ModelSpec, meta: VarlenMeta, queries: int, keys: int,
     return run
 
 
-def _lean_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
-                dtype: torch.dtype, rand: Callable[..., torch.Tensor]) -> Parts:
-    """The lean path: the local and remote calls; the K/V and dK/dV collectives."""
-    lay = attn.layout
+def _split_exchange(ex: Exchanger, model: ModelSpec, num_tokens: int, device: torch.device,
+                    dtype: torch.dtype, rand: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    """The lean and segments paths' transfers: the K/V and the dK/dV collectives (two each
+    way), each waited for."""
     g, d = model.num_kv_heads, model.head_dim
-    ex = attn.exchanger(device)
-    state = build_state(lay, ex, device)
-    calls = [_call(model, state.local_meta, lay.num_real, lay.num_real, rand)]
-    if len(state.query_rows):
-        calls.append(_call(model, state.remote_meta, len(state.query_rows), len(state.select), rand))
-    kt, vt = rand(lay.num_tokens, g, d, grad=False), rand(lay.num_tokens, g, d, grad=False)
+    kt, vt = rand(num_tokens, g, d, grad=False), rand(num_tokens, g, d, grad=False)
     back = torch.zeros((ex.comm.recv_rows, g, d), device=device, dtype=dtype)
 
     def exchange() -> None:
         ex.start_forward(kt, vt).wait()
         ex.start_backward(back, back).wait()
 
-    return _all(calls), exchange
+    return exchange
+
+
+def _lean_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
+                dtype: torch.dtype, rand: Callable[..., torch.Tensor]) -> Parts:
+    """The lean path: the local and remote calls; the K/V and dK/dV collectives."""
+    lay = attn.layout
+    ex = attn.exchanger(device)
+    state = build_state(lay, ex, device)
+    calls = [_call(model, state.local_meta, lay.num_real, lay.num_real, rand)]
+    if len(state.query_rows):
+        calls.append(_call(model, state.remote_meta, len(state.query_rows), len(state.select), rand))
+    return _all(calls), _split_exchange(ex, model, lay.num_tokens, device, dtype, rand)
+
+
+def _segment_calls(lay: Any, comm: Any, kernel: SegmentKernel, model: ModelSpec,
+                   device: torch.device, rand: Callable[..., torch.Tensor],
+                   exchanger: Exchanger | None = None) -> Callable[[], None]:
+    """Every varlen call of the segments path (segments.py), forward and backward, on
+    random local and remote buffers of the rank's sizes (no merges, no copies)."""
+    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    state = build_segment_state(lay, comm, kernel, device, exchanger)
+    r, f = lay.num_real, len(state.select)
+    q, do = rand(r, h, d, grad=False), rand(r, h, d, grad=False)
+    keys = {False: (rand(r, g, d, grad=False), rand(r, g, d, grad=False)),
+            True: (rand(f, g, d, grad=False), rand(f, g, d, grad=False))}
+
+    def run() -> None:
+        for c, meta in zip(state.plan.calls, state.metas, strict=True):
+            k, v = keys[c.remote]
+            qs, ks, vs = q[c.q_lo : c.q_hi], k[c.k_lo : c.k_hi], v[c.k_lo : c.k_hi]
+            out, lse = kernel.forward(qs, ks, vs, meta, d**-0.5)
+            kernel.backward(do[c.q_lo : c.q_hi], qs, ks, vs, out, lse, meta, d**-0.5)
+
+    return run
+
+
+def _segments_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
+                    dtype: torch.dtype, rand: Callable[..., torch.Tensor],
+                    kernel: SegmentKernel) -> Parts:
+    """The segments path: its varlen calls; the K/V and dK/dV collectives."""
+    ex = attn.exchanger(device)
+    calls = _segment_calls(attn.layout, attn.comm_map, kernel, model, device, rand, ex)
+    return calls, _split_exchange(ex, model, attn.layout.num_tokens, device, dtype, rand)
 
 
 def _ring_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
@@ -282,20 +336,36 @@ def _ring_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.
 
 
 def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torch.device,
-                        dtype: torch.dtype, kernel: str) -> list[dict[str, float | None]]:
+                        dtype: torch.dtype, kernel: str,
+                        reference_segments: bool = False) -> list[dict[str, Any]]:
     """Per rank of ``plan``, its kernel alone on this one device (wall ms after a
     synchronize), ranks one after another: the kernel term where the plan has more ranks
-    than there are GPUs. Layer, copies and exchange are not measured (None)."""
-    from worker_runtime import build_layout
+    than there are GPUs, on the flash path the runtime would take (segments when flash-attn's
+    varlen API passes its probe, else gathered). Layer, copies and exchange are not
+    measured (None)."""
+    from worker_runtime import build_comm_map, build_layout
     from worker_runtime.profiler import median_ms
 
     h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
-    out: list[dict[str, float | None]] = []
+    segment_kernel: SegmentKernel | None = (
+        ReferenceSegments() if reference_segments else flash_segments(device, dtype, d))
+    path = "segments" if segment_kernel is not None else "gathered"
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape: int, grad: bool = True) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_(grad)
+
+    out: list[dict[str, Any]] = []
     for rank in range(plan.cp_size):
         lay = build_layout(plan, rank)
         keys = int(lay.cu_seqlens_k[-1])
         ms = 0.0
-        if lay.num_real:
+        if lay.num_real and segment_kernel is not None:
+            mode = "full" if plan.comm_mode == "p2p_ring" else plan.comm_mode
+            comm = build_comm_map(lay, mode)
+            ms = median_ms(_segment_calls(lay, comm, segment_kernel, model, device, rand), device,
+                           repeats=repeats)
+        elif lay.num_real:
             meta = build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device)
             q = torch.randn((lay.num_real, h, d), device=device, dtype=dtype, requires_grad=True)
             k = torch.randn((keys, g, d), device=device, dtype=dtype, requires_grad=True)
@@ -306,19 +376,19 @@ def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torc
                 torch.autograd.grad(varlen_attention(q, k, v, meta, d**-0.5, kernel), (q, k, v), dout)
 
             ms = median_ms(call, device, repeats=repeats)
-        out.append({"kernel_ms": ms, "kernel_wall_ms": ms, "layer_ms": None, "exchange_ms": None,
-                    "layer_wall_ms": None, "exchange_wall_ms": None})
+        out.append({"path": path, "kernel_ms": ms, "kernel_wall_ms": ms, "layer_ms": None,
+                    "exchange_ms": None, "layer_wall_ms": None, "exchange_wall_ms": None})
     return out
 
 
 def measure_worker(rank: int, world: int, plan_jsons: list[str], model: dict[str, Any],
                    repeats: int, device_kind: str, kernel: str, overlap: bool,
-                   paths: list[str]) -> list[dict[str, float]]:
+                   reference_segments: bool) -> list[dict[str, Any]]:
     device = torch.device(f"cuda:{rank}" if device_kind == "cuda" else "cpu")
     dtype = torch.bfloat16 if device_kind == "cuda" else torch.float32
     spec = ModelSpec(**model)
-    return [measure_plan(Plan.from_json(p), rank, spec, repeats, device, dtype, kernel, overlap, path)
-            for p, path in zip(plan_jsons, paths, strict=True)]
+    return [measure_plan(Plan.from_json(p), rank, spec, repeats, device, dtype, kernel, overlap,
+                         reference_segments) for p in plan_jsons]
 
 
 def _nccl_child(rank: int, world: int, port: int, args: tuple[Any, ...], results: Any) -> None:
@@ -365,16 +435,37 @@ def run_nccl(world: int, args: tuple[Any, ...], timeout_s: float) -> list[Any]:
 
 # -- records, fit, validation --------------------------------------------------------------
 
-def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], list[dict[str, float | None]]],
+def flash_path_of(path: str) -> str:
+    """The model's ``flash_path`` that prices a run on ``path`` (lean and ring: either)."""
+    return "gathered" if path == "gathered" else "segments"
+
+
+def run_path(per_rank: Sequence[dict[str, Any]]) -> str:
+    """The path a plan's ranks ran (they agree: the runtime checks it)."""
+    paths = {m["path"] for m in per_rank}
+    if len(paths) != 1:
+        raise ValueError(f"the ranks of one plan ran different paths: {sorted(paths)}")
+    return paths.pop()
+
+
+def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], list[dict[str, Any]]],
                  kernel: KernelProfile, link: LinkProfile, overlap: bool) -> list[dict[str, Any]]:
-    """One record per grouped rank of every measured plan: model inputs + measured times."""
+    """One record per grouped rank of every measured plan: model inputs + measured times,
+    priced on the path the plan ran (noted in the batch's ``paths``); ValueError when the
+    model's path for the profile differs from it."""
     out = []
     for bi, b in enumerate(batches):
         for s, plan in b["plans"].items():
             per_rank = measured.get((bi, s))
             if per_rank is None:
                 continue
-            for terms in plan_rank_terms(plan, kernel, link, overlap=overlap):
+            path = run_path(per_rank)
+            b.setdefault("paths", {})[s] = path
+            for terms in plan_rank_terms(plan, kernel, link, overlap=overlap,
+                                         flash_path=flash_path_of(path)):
+                if terms.path != path:
+                    raise ValueError(f"{s} plan of batch {bi} ran on the {path} path but kernel "
+                                     f"profile {kernel.name} prices it on the {terms.path} path")
                 m = per_rank[terms.rank]
                 layer, kern, exch = m["layer_ms"], m["kernel_ms"], m["exchange_ms"]
                 copies = None if layer is None or kern is None or exch is None else max(
@@ -392,10 +483,11 @@ def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], 
     return out
 
 
-def predict(plan: Plan, kernel: KernelProfile, link: LinkProfile,
-            overlap: bool) -> tuple[float, dict[int, Any]]:
-    """(predicted step = largest per-rank layer ms, per-rank terms) under the profiles."""
-    terms = plan_rank_terms(plan, kernel, link, overlap=overlap)
+def predict(plan: Plan, kernel: KernelProfile, link: LinkProfile, overlap: bool,
+            path: str) -> tuple[float, dict[int, Any]]:
+    """(predicted step = largest per-rank layer ms, per-rank terms) under the profiles, on
+    the path the plan ran."""
+    terms = plan_rank_terms(plan, kernel, link, overlap=overlap, flash_path=flash_path_of(path))
     return max(t.estimate.layer_ms for t in terms), {t.rank: t for t in terms}
 
 
@@ -431,11 +523,11 @@ def validate(batches: list[dict[str, Any]], records: list[dict[str, Any]], kerne
             recs = by_plan.get((bi, s))
             if not recs or any(r["layer_ms"] is None for r in recs):
                 if recs:  # kernel-only records: per-term predictions only
-                    _, per_rank = predict(plan, kernel, link, overlap)
+                    _, per_rank = predict(plan, kernel, link, overlap, b["paths"][s])
                     for r in recs:
                         r.update(pred_kernel_ms=per_rank[r["rank"]].estimate.kernel_ms)
                 continue
-            pred, per_rank = predict(plan, kernel, link, overlap)
+            pred, per_rank = predict(plan, kernel, link, overlap, b["paths"][s])
             meas = max(r["layer_ms"] for r in recs)
             for r in recs:
                 t = per_rank[r["rank"]]
@@ -515,7 +607,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = make_batches(args.datasets, args.cp_sizes, args.sequences, args.tokens_per_rank, model,
                            args.strategies, base_kernel.name, base_link.name)
     plan_seconds = time.perf_counter() - start
-    measured: dict[tuple[int, str], list[dict[str, float | None]]] = {}
+    measured: dict[tuple[int, str], list[dict[str, Any]]] = {}
     kernel_name = "flash" if cuda else "torch"
     for n in args.cp_sizes:
         keys = [(bi, s) for bi, b in enumerate(batches) if b["n"] == n for s in b["plans"]]
@@ -523,12 +615,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         plans = [batches[bi]["plans"][s] for bi, s in keys]
         work = ([p.to_json() for p in plans], model.to_dict(), args.repeats, args.device,
-                kernel_name, args.overlap, [execution_path(base_kernel, p.comm_mode) for p in plans])
+                kernel_name, args.overlap, args.reference_segments)
         if cuda and n > torch.cuda.device_count():
             device = torch.device("cuda:0")
             for bi, s in keys:
                 measured[(bi, s)] = measure_kernel_only(batches[bi]["plans"][s], model, args.repeats,
-                                                        device, torch.bfloat16, kernel_name)
+                                                        device, torch.bfloat16, kernel_name,
+                                                        args.reference_segments)
             continue
         if cuda:
             results = run_nccl(n, work, timeout_s=args.world_timeout)
@@ -546,6 +639,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seconds=time.perf_counter() - start, plan_seconds=plan_seconds, load_start=load_start,
         load_end=os.getloadavg(), records=records, fit=profile_document(fitted),
         terms=term_errors(records), num_plans=sum(1 for _ in measured),
+        paths={p: sum(1 for b in batches for q in b.get("paths", {}).values() if q == p)
+               for p in sorted({q for b in batches for q in b.get("paths", {}).values()})},
         skipped=[f"{b['dataset']} N={b['n']} #{b['sequence']}: {s}: {why}"
                  for b in batches for s, why in b["skipped"].items()],
     )
@@ -576,7 +671,9 @@ def write_outputs(args: argparse.Namespace, r: dict[str, Any], model: ModelSpec)
         "",
         f"Machine: {os.cpu_count()} cores, torch {torch.__version__}; "
         f"{'NCCL, flash-attn, bf16' if args.device == 'cuda' else 'gloo on loopback, PyTorch kernel, float32, 1 thread per rank'}; "
-        f"overlap {'on' if args.overlap else 'off'} (runtime and model); "
+        f"overlap {'on' if args.overlap else 'off'} (runtime and model); paths run "
+        f"(plans): {', '.join(f'{p} {c}' for p, c in r['paths'].items())}"
+        f"{' (segments with the reference PyTorch segment kernel)' if args.reference_segments else ''}; "
         f"model {model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim}. "
         f"{r['num_plans']} plans measured ({len(r['records'])} rank records), {args.repeats} repeats "
         f"each (median); data sets {', '.join(args.datasets)}; N in {list(args.cp_sizes)}; "
@@ -637,21 +734,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world-timeout", type=float, default=900.0)
     parser.add_argument("--overlap", action="store_true",
                         help="run the runtime and the model with overlap on (CPU time cannot "
-                             "show it; flash-attn on CUDA never overlaps)")
+                             "show it; on CUDA the segments path overlaps, the gathered never)")
+    parser.add_argument("--reference-segments", action="store_true",
+                        help="run flash's segments path with the exact PyTorch segment kernel "
+                             "(any device; plans and base profile h100-fa2): checks the harness")
     args = parser.parse_args(argv)
     args.command = " ".join(["python -m bench.model_check", *(argv if argv is not None else sys.argv[1:])])
     args.strategies, args.cp_sizes = STRATEGIES, CP_SIZES
     args.datasets = (*DATASETS, *ADVERSARIAL)
     cuda = args.device == "cuda"
-    args.base_kernel = "h100-fa2" if cuda else "cpu-torch"
+    args.base_kernel = "h100-fa2" if cuda or args.reference_segments else "cpu-torch"
     args.base_link = "nvlink" if cuda else "gloo-local"
     args.profile_name = f"fitted-{args.base_kernel}"
     args.stem = "model_check_gpu" if cuda else "model_check"
     if args.tokens_per_rank is None:
         args.tokens_per_rank = 16384 if cuda else 1024
     if args.cpu_smoke:
-        args.device, args.base_kernel, args.base_link = "cpu", "cpu-torch", "gloo-local"
-        args.profile_name, args.stem = "fitted-cpu-torch", "model_check"
+        args.device, args.base_link = "cpu", "gloo-local"
+        args.base_kernel = "h100-fa2" if args.reference_segments else "cpu-torch"
+        args.profile_name, args.stem = f"fitted-{args.base_kernel}", "model_check"
         args.out_dir, args.sequences, args.repeats = args.cpu_smoke, 1, 1
         args.tokens_per_rank, args.cp_sizes = 128, (3,)
         args.datasets = ("wlbllm", "family:pile", "one doc")

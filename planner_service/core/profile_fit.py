@@ -6,11 +6,14 @@
 A record is one rank of one executed plan (``bench/model_check.py`` writes them, format
 ``cp-planner-step-records/v2``): the model's inputs for that rank (``fwd_flops``,
 ``tiles``, ``row_blocks``, ``segments``, ``calls``, ``copy_bytes``, ``copy_ops``,
-``comm_bytes``, ``passes``, ``peer_steps``; ``plan_rank_terms`` gives them) and the
-measured ``kernel_ms`` (the rank's kernel calls alone), ``copy_ms`` and ``exchange_ms``
-(the rank's transfers alone, every one in full). Each term is its own linear fit with
-non-negative coefficients, least squares on relative error (short and long runs weigh
-alike):
+``comm_bytes``, ``passes``, ``peer_steps``; ``plan_rank_terms`` gives them on the path
+the rank ran, its ``flash_path`` for flash-attn) and the measured ``kernel_ms`` (the
+rank's kernel calls alone), ``copy_ms`` and ``exchange_ms`` (the rank's transfers alone,
+every one in full). The inputs are summed over the path's calls (on the segments path
+``segments`` counts every call's document segments and ``copy_bytes`` includes the
+float32 accumulators), so records of every path fit one profile. Each term is its own
+linear fit with non-negative coefficients, least squares on relative error (short and
+long runs weigh alike):
 
 - kernel:   ``ms = c fwd_flops + t tiles + q row_blocks + s segments + o calls`` -> fwd/bwd
   TFLOP/s (the base profile's fwd:bwd ratio kept; one total is measured), per_tile_us,

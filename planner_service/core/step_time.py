@@ -1,14 +1,26 @@
 """Per-layer step-time estimate of one rank: what the worker runtime executes, term by term.
 
-The runtime (worker_runtime/attention.py, overlap.py, ring.py, comm.py) runs one attention
-layer (forward + backward) on one of three paths, set by the kernel (:func:`execution_path`):
+The runtime (worker_runtime/attention.py, segattention.py, overlap.py, ring.py, comm.py)
+runs one attention layer (forward + backward) on one of four paths, set by the kernel and,
+for flash-attn, its ``flash_path`` (:func:`execution_path`):
 
-``gathered``  flash-attn (a ``segment``-tiling profile; CUDA, fp16/bf16), every comm mode.
-              Stack the local K and V, one blocking KV collective over the N - 1 peers,
-              gather every shard's keys ``[0, e)`` into contiguous K and V, one varlen
-              kernel call on the real queries, padding rows appended; backward mirrors it
-              (one blocking all-to-all returns dK/dV). A ``p2p_ring`` plan runs as the full
-              all-gather. Nothing overlaps; ``overlap`` has no effect.
+``segments``  flash-attn (a ``segment``-tiling profile; CUDA, fp16/bf16), the runtime's
+              default, every comm mode (a ``p2p_ring`` plan runs as ``full``). The lean
+              path's structure on varlen calls (core/segment_work.py): the K and V
+              collectives (two, async) start; the rank's own keys are gathered into
+              (group, document) order (none when that is their own order, e.g. every
+              document with one shard here) and the ``A(j, i)`` calls run while the
+              exchange is in flight, each merged into float32 output and log-sum-exp
+              accumulators; then one copy of the distinct remote KV and the ``B(j, i)``
+              calls, merged the same way. Backward: the B calls' gradients, the dK/dV
+              return (two collectives, async) in flight during the A calls' gradients.
+``gathered``  flash-attn with ``flash_path="gathered"`` (opt-out, or when flash-attn's
+              private varlen API fails the runtime's probe). Stack the local K and V, one
+              blocking KV collective over the N - 1 peers, gather every shard's keys
+              ``[0, e)`` into contiguous K and V, one varlen kernel call on the real
+              queries, padding rows appended; backward mirrors it (one blocking
+              all-to-all returns dK/dV). A ``p2p_ring`` plan runs as the full all-gather.
+              Nothing overlaps; ``overlap`` has no effect.
 ``lean``      the PyTorch kernel (a ``packed``-tiling profile), gather modes. The K and V
               collectives (two, async) start, the local call (every real query against the
               rank's own keys) runs while they are in flight, then one copy of the distinct
@@ -28,26 +40,35 @@ layer (forward + backward) on one of three paths, set by the kernel (:func:`exec
 Terms (forward + backward, milliseconds):
 
 ``kernel``  Sum over the path's calls: FLOPs at the profile's rates, plus
-            ``call_overhead_us`` per call (fwd + bwd), ``per_seq_us`` per shard (charged
-            once, with the local call), ``per_tile_us`` per tile and ``per_row_block_us``
-            per query tile. Gathered: ``segment`` tiling (FlashAttention): each shard of s
-            queries at doc position p runs ceil(s / tile_q) query tiles, query tile j
-            reading ceil((p + min((j + 1) tile_q, s)) / tile_k) key tiles; a started tile
-            costs a full tile (FlashCP Fig. 3, WLB-LLM section 5). Lean and ring: the
-            PyTorch kernel's blocks of tile_q query rows x tile_k keys over doc-masked key
-            sets (core/masked_work.py), dense inside a block.
-``copy``    Bytes written by the path's eager copies (:func:`path_rows`) at ``copy_gbps``,
-            plus ``op_overhead_us`` per op.
+            ``call_overhead_us`` per call (fwd + bwd), ``per_seq_us`` per document segment
+            (segments: per segment of every call; the other paths: per shard, once),
+            ``per_tile_us`` per tile and ``per_row_block_us`` per query tile. Flash-attn
+            tiles (``segment`` tiling; a started tile costs a full tile, FlashCP Fig. 3,
+            WLB-LLM section 5): gathered, each shard of s queries at doc position p runs
+            ceil(s / tile_q) query tiles, query tile j reading
+            ceil((p + min((j + 1) tile_q, s)) / tile_k) key tiles; segments, per document
+            segment of a call, a causal square of s rows the same with p = 0, a full
+            rectangle of q x k rows ceil(q / tile_q) ceil(k / tile_k) tiles (a hollow
+            segment: its query tiles, no key tile). Lean and ring: the PyTorch kernel's
+            blocks of tile_q query rows x tile_k keys over doc-masked key sets
+            (core/masked_work.py), dense inside a block.
+``copy``    Bytes written by the path's eager copies (:func:`path_rows`,
+            :func:`segment_rows`) at ``copy_gbps``, plus ``op_overhead_us`` per op. The
+            segments path's accumulators are float32 (float64 for float64 inputs).
 ``comm``    Exposed exchange. A collective over the N - 1 peers costs ``latency_us +
             (N - 1) per_peer_us``, a ring shift ``latency_us + per_peer_us``, plus bytes /
             bandwidth; R = tokens received per pass, T = rows per rank, b = K+V bytes per
             token, phi = the forward share of a call's time (:func:`forward_share`):
 
             - gathered: 2 X1 with X1 = one collective of R b bytes;
-            - lean, overlap off: 2 X with X = two collectives (K, V) of R b bytes in all;
-              on: max(0, X - phi K_loc) + max(0, X - ((1 - phi) K_loc + C_win)), K_loc the
-              local call, C_win the copies between backward's start and wait (the remote
-              queries' dQ add, the dK/dV concatenation);
+            - lean and segments, overlap off: 2 X with X = two collectives (K, V) of R b
+              bytes in all; on: max(0, X - H_f) + max(0, X - H_b) with, lean,
+              H_f = phi K_loc and H_b = (1 - phi) K_loc + C_win, K_loc the local call,
+              C_win the copies between backward's start and wait (the remote queries' dQ
+              add, the dK/dV concatenation); segments, H_f = phi K_A + the copies before
+              the forward wait (:func:`segment_forward_window_rows`) and H_b =
+              (1 - phi) K_A + the copies before the backward wait
+              (:func:`segment_backward_window_rows`), K_A the A calls;
             - ring, t = one shift of T b bytes; overlap off: 3 (N - 1) t; on:
               max(0, t - phi K_loc) + sum over steps s = 1..N-2 of max(0, t - W_s)
               + max(0, t - (1 - phi) K_loc) + sum over steps s = 2..N-1 of max(0, t - B_s)
@@ -71,6 +92,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner_service.core import masked_work as mw
+from planner_service.core import segment_work as sgw
 from planner_service.core.cost import ShardArrays, comm_volumes, per_rank_sums, recv_tokens_by_mode
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Plan, Shard
@@ -82,15 +104,23 @@ BWD_FLOP_RATIO = 2.5
 RUNTIME_OVERLAP = True
 """The runtime's default (``ContextParallelAttention(overlap=True)``; a test checks it)."""
 
-PATHS = ("gathered", "lean", "ring")
+PATHS = ("segments", "gathered", "lean", "ring")
+FLASH_PATHS = ("segments", "gathered")
+"""How flash-attn runs (``ContextParallelAttention(flash_path=...)``)."""
+RUNTIME_FLASH_PATH = "segments"
+"""The runtime's default flash path (a test checks it); ``gathered`` runs on opt-out or
+when flash-attn's private varlen API fails the runtime's probe."""
 
 
-def execution_path(kernel: KernelProfile, comm_mode: str) -> str:
+def execution_path(kernel: KernelProfile, comm_mode: str, flash_path: str = RUNTIME_FLASH_PATH) -> str:
     """The runtime path for a kernel profile and comm mode (module docstring): flash-attn
-    (``segment`` tiling) always gathers; the PyTorch kernel (``packed``) runs a ring for
-    ``p2p_ring`` and the lean path otherwise."""
+    (``segment`` tiling) runs ``flash_path`` (FLASH_PATHS) in every comm mode; the PyTorch
+    kernel (``packed``) runs a ring for ``p2p_ring`` and the lean path otherwise. ValueError
+    for an unknown ``flash_path``."""
+    if flash_path not in FLASH_PATHS:
+        raise ValueError(f"flash_path must be one of {', '.join(FLASH_PATHS)}, got {flash_path!r}")
     if kernel.tiling == "segment":
-        return "gathered"
+        return flash_path
     return "ring" if comm_mode == "p2p_ring" else "lean"
 
 
@@ -111,17 +141,7 @@ def attention_tiles_per_shard(shards: Sequence[Shard], tile_q: int, tile_k: int)
 
 def attention_tiles_of(starts: np.ndarray, lengths: np.ndarray, tile_q: int, tile_k: int) -> np.ndarray:
     """``attention_tiles_per_shard`` from int64 arrays of shard starts and lengths."""
-    if not len(starts):
-        return np.zeros(0, dtype=np.int64)
-    q_tiles = -(-lengths // tile_q)
-    shard_of_tile = np.repeat(np.arange(len(starts)), q_tiles)
-    # Index of each query tile within its shard: 0, 1, ... per shard.
-    first = np.cumsum(q_tiles) - q_tiles
-    j = np.arange(int(q_tiles.sum()), dtype=np.int64) - np.repeat(first, q_tiles)
-    last_row = starts[shard_of_tile] + np.minimum((j + 1) * tile_q, lengths[shard_of_tile])
-    return np.bincount(shard_of_tile, weights=-(-last_row // tile_k), minlength=len(starts)).astype(
-        np.int64
-    )
+    return sgw.causal_tiles_of(starts, lengths, tile_q, tile_k)
 
 
 class KernelWork(NamedTuple):
@@ -133,7 +153,8 @@ class KernelWork(NamedTuple):
     tiles: Any
     """Tiles (segment tiling) or key blocks (the PyTorch kernel) visited."""
     segments: Any
-    """Shards of the rank (``per_seq_us`` each)."""
+    """Document segments (``per_seq_us`` each): the rank's shards, once (gathered, lean,
+    ring), or each call's document segments, summed over the calls (segments)."""
     row_blocks: Any
     """Query tiles or query blocks."""
     calls: Any = 1
@@ -201,17 +222,31 @@ of the returned (the sent rows taken as R)."""
 
 class Rows(NamedTuple):
     """Rows written by eager copies: K+V rows (``kv_bytes_per_token`` each), query-shaped
-    rows (heads x head_dim), log-sum-exp rows (heads), and the op count."""
+    rows (heads x head_dim), log-sum-exp rows (heads), the op count, and the same three
+    row kinds in the accumulator dtype (:func:`accumulator_bytes`; the segments path)."""
 
     kv: Any
     q: Any
     lse: Any
     ops: Any
+    acc_kv: Any = 0
+    acc_q: Any = 0
+    acc_lse: Any = 0
 
     def bytes(self, model: ModelSpec) -> Any:
-        q_row = model.num_heads * model.head_dim * model.dtype_bytes
-        return self.kv * model.kv_bytes_per_token + self.q * q_row + self.lse * (
-            model.num_heads * model.dtype_bytes)
+        heads, dim, kv_heads = model.num_heads, model.head_dim, model.num_kv_heads
+        acc = accumulator_bytes(model)
+        return (self.kv * model.kv_bytes_per_token + self.q * heads * dim * model.dtype_bytes
+                + self.lse * heads * model.dtype_bytes + self.acc_kv * 2 * kv_heads * dim * acc
+                + self.acc_q * heads * dim * acc + self.acc_lse * heads * acc)
+
+    def __add__(self, other: Rows) -> Rows:  # type: ignore[override]
+        return Rows(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+def accumulator_bytes(model: ModelSpec) -> int:
+    """Element size of the segments path's accumulators: float32, float64 for float64."""
+    return 8 if model.dtype_bytes == 8 else 4
 
 
 def path_rows(path: str, comm_mode: str, *, tokens_per_rank: Any, real: Any, recv: Any,
@@ -263,6 +298,71 @@ def lean_window_rows(tokens_per_rank: Any, real: Any, queries: Any) -> Rows:
 def merge_rows(queries: Any) -> Rows:
     """One ring step's query select and log-sum-exp merge (forward)."""
     return Rows(0 * queries, 6 * queries, 7 * queries, MERGE_OPS + 0 * queries)
+
+
+SEGMENT_MERGE = (4, 6, 10)
+"""One merge of a call's part into the accumulators on the segments path
+(segattention._merge), per query row: accumulator-dtype query rows (the part's cast,
+the rescale ``mul_``, the weighted part, the ``add_``), log-sum-exp rows (``logaddexp``,
+two differences, two exponentials, the copy back) and ops."""
+
+
+def segment_forward_window_rows(work: sgw.SegmentWork, real: Any) -> Rows:
+    """Segments path, forward: the copies between starting the exchange and waiting for it.
+    The local buffer's q, k, v gathers (r rows; none in place), the zeroed output and
+    log-sum-exp accumulators, each query group's first part copied in (r rows in all, two
+    ops per group), and the merges of the other local calls (SEGMENT_MERGE)."""
+    r, gathers = real, 1 - work.in_place
+    rows, lse_rows, ops = SEGMENT_MERGE
+    merges = work.local.calls - work.pieces
+    return Rows(gathers * r, gathers * r, 0 * r, 3 * gathers + 2 + 2 * work.pieces + ops * merges,
+                0 * r, 2 * r + rows * work.merge_rows, 2 * r + lse_rows * work.merge_rows)
+
+
+def segment_backward_window_rows(work: sgw.SegmentWork, tokens_per_rank: Any, real: Any) -> Rows:
+    """Segments path, backward: the copies between starting the dK/dV return and waiting
+    for it. The zeroed local dK/dV accumulators (r rows), per local call its log-sum-exp
+    slice made contiguous (not when it is the whole accumulator) and the dQ, dK, dV adds,
+    then dQ, dK, dV back into ``[T]`` tensors (zero fill, cast of r rows, and an index copy
+    of r rows unless in place)."""
+    t, r, gathers, a = tokens_per_rank, real, 1 - work.in_place, work.local
+    return Rows(t + r + gathers * r, t + r + gathers * r, 0 * r,
+                2 + 4 * a.calls - work.whole_local + 6 + 3 * gathers,
+                r + a.keys, a.queries, a.queries - work.whole_local * r)
+
+
+def segment_rows(comm_mode: str, *, tokens_per_rank: Any, real: Any, recv: Any,
+                 work: sgw.SegmentWork, num_ranks: int) -> Rows:
+    """Rows the segments path's copies write, forward + backward (values may be arrays):
+    the exchange buffers as on the lean path (SEND_ROWS; ``p2p_ring`` runs as ``full``),
+    the two windows (:func:`segment_forward_window_rows`,
+    :func:`segment_backward_window_rows`) and, outside them:
+
+    - forward: the remote calls' merges (SEGMENT_MERGE; a call with hollow rows masks
+      both parts: its query rows once more in each accumulator kind, two ops), the remote
+      buffer (``index_select`` of K and V, F rows), the output back into ``[T]`` (zero
+      fill, cast of r rows, an index copy of r rows unless in place);
+    - backward: dO and the output gathered (r rows each, unless in place), the zeroed dQ
+      (r rows) and remote dK/dV (F rows) accumulators, per remote call the contiguous
+      log-sum-exp slice and the dQ, dK, dV adds (and the masked dQ of a hollow call),
+      the zeroed return buffer (R rows), the remote dK/dV cast and ``index_copy`` into it
+      (F rows each).
+    """
+    t, r, f, b = tokens_per_rank, real, work.remote_keys, work.remote
+    gathers = 1 - work.in_place
+    moves = recv > 0
+    send, send_ops, ret, ret_ops = SEND_ROWS["full" if comm_mode == "p2p_ring" else comm_mode]
+    unit = recv if comm_mode == "alltoallv" else recv // max(num_ranks - 1, 1)
+    rows, lse_rows, ops = SEGMENT_MERGE
+    hollow, hollow_rows = work.hollow_calls, work.hollow_rows
+    exchange = Rows(moves * (send + ret) * unit, 0 * r, 0 * r, moves * (send_ops + ret_ops))
+    forward = Rows(f, t + r + gathers * r, 0 * r, ops * b.calls + 2 * hollow + 2 + 2 + gathers,
+                   0 * r, rows * b.queries + hollow_rows, lse_rows * b.queries + hollow_rows)
+    backward = Rows(recv + 2 * f, 2 * gathers * r + hollow_rows, 0 * r,
+                    2 * gathers + 3 + 4 * b.calls - work.whole_remote + hollow + 6,
+                    f + b.keys, r + b.queries, b.queries - work.whole_remote * r)
+    return (exchange + segment_forward_window_rows(work, r) + forward
+            + segment_backward_window_rows(work, t, r) + backward)
 
 
 # -- communication and linear layers ------------------------------------------------------
@@ -366,12 +466,15 @@ def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: in
                recv: Any, local: KernelWork, extra: KernelWork, queries: Any, remote_keys: Any,
                key_tokens: Any, ring_hidden: Any, ring_mid_calls: Any, model: ModelSpec,
                kernel: KernelProfile, link: LinkProfile, overlap: bool,
-               ring_bwd_hidden: Any = 0.0, ring_late_calls: Any = 0) -> Terms:
+               ring_bwd_hidden: Any = 0.0, ring_late_calls: Any = 0,
+               segments: sgw.SegmentWork | None = None) -> Terms:
     """The terms from a rank's counts (module docstring); per-rank values may be arrays,
     so :func:`rank_step` and :func:`group_steps` share every formula.
 
-    ``local``: the gathered path's call or the local call; ``extra``: the lean remote call or
-    the ring's steps, summed (``calls`` of them); ``queries``: their query rows.
+    ``local``: the gathered path's call, the local call or the segments path's local calls;
+    ``extra``: the lean remote call, the ring's steps or the segments path's remote calls,
+    summed (``calls`` of them); ``queries``: their query rows (lean, ring).
+    ``segments``: the segments path's counts (its copies and windows).
     ``ring_hidden``: sum over ring steps 1..N-2 with a call of max(0, t - W_s), in step order;
     ``ring_mid_calls``: how many such steps. ``ring_bwd_hidden``: sum over ring steps
     2..N-1 with a call of max(0, t - B_s), B_s the step's backward kernel share;
@@ -383,9 +486,14 @@ def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: in
                       local.segments + extra.segments, local.row_blocks + extra.row_blocks,
                       local.calls + extra.calls)
     kern = kernel_ms(work, model, kernel)
-    rows = path_rows(path, comm_mode, tokens_per_rank=t_rows, real=real, recv=recv,
-                     key_tokens=key_tokens, remote_keys=remote_keys, queries=queries,
-                     parts=extra.calls, num_ranks=n)
+    if path == "segments":
+        assert segments is not None, "the segments path needs its counts"
+        rows = segment_rows(comm_mode, tokens_per_rank=t_rows, real=real, recv=recv,
+                            work=segments, num_ranks=n)
+    else:
+        rows = path_rows(path, comm_mode, tokens_per_rank=t_rows, real=real, recv=recv,
+                         key_tokens=key_tokens, remote_keys=remote_keys, queries=queries,
+                         parts=extra.calls, num_ranks=n)
     nbytes = rows.bytes(model)
     copies = copy_ms(nbytes, kernel, rows.ops) if t_rows else 0.0 * nbytes
     moves = recv > 0
@@ -407,17 +515,24 @@ def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: in
             comm = transfer
         peer_steps = passes
     else:
-        lean = path == "lean"
-        passes = moves * (4 if lean else 2)
+        split = path != "gathered"  # K and V as two collectives each way
+        passes = moves * (4 if split else 2)
         peer_steps = passes * (n - 1)
         comm_bytes = moves * (2 * recv * kvb)
-        one = transfer_ms(recv * kvb, link, n - 1, 2 if lean else 1)
+        one = transfer_ms(recv * kvb, link, n - 1, 2 if split else 1)
         transfer = moves * (2 * one)
-        if lean and overlap:
+        if split and overlap:
             k_loc = kernel_ms(local, model, kernel)
-            win = lean_window_rows(t_rows, real, queries)
+            if path == "lean":
+                hide_f = phi * k_loc
+                win = lean_window_rows(t_rows, real, queries)
+            else:
+                assert segments is not None
+                fw = segment_forward_window_rows(segments, real)
+                hide_f = phi * k_loc + copy_ms(fw.bytes(model), kernel, fw.ops)
+                win = segment_backward_window_rows(segments, t_rows, real)
             hide_b = (1 - phi) * k_loc + copy_ms(win.bytes(model), kernel, win.ops)
-            comm = moves * (np.maximum(0.0, one - phi * k_loc) + np.maximum(0.0, one - hide_b))
+            comm = moves * (np.maximum(0.0, one - hide_f) + np.maximum(0.0, one - hide_b))
         else:
             comm = transfer
     return Terms(work, rows, nbytes, comm_bytes, passes, peer_steps, transfer, kern, copies,
@@ -426,6 +541,10 @@ def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: in
 
 def _blocks_work(b: mw.Blocks, calls: int, segments: int = 0) -> KernelWork:
     return KernelWork(b.pairs, b.tiles, segments, b.row_blocks, calls)
+
+
+def _calls_work(c: sgw.Calls) -> KernelWork:
+    return KernelWork(c.pairs, c.tiles, c.segments, c.row_blocks, c.calls)
 
 
 def rank_terms(
@@ -441,9 +560,10 @@ def rank_terms(
     tiles: int | None = None,
     overlap: bool = RUNTIME_OVERLAP,
     ring_blocks: Sequence[Sequence[Shard]] | None = None,
+    flash_path: str = RUNTIME_FLASH_PATH,
 ) -> Terms:
     """:func:`rank_step`'s terms with their inputs (what a fit regresses on)."""
-    path = execution_path(kernel, comm_mode)
+    path = execution_path(kernel, comm_mode, flash_path)
     real = sum(s.end - s.start for s in shards)
     zero = KernelWork(0, 0, 0, 0, 0)
     common: dict[str, Any] = dict(tokens_per_rank=tokens_per_rank, num_ranks=num_ranks, real=real,
@@ -455,6 +575,11 @@ def rank_terms(
                           key_tokens=key_rows(shards), ring_hidden=0.0, ring_mid_calls=0,
                           **common)
     bq, bk = kernel.tile_q, kernel.tile_k
+    if path == "segments":
+        sw = sgw.segment_work(shards, bq, bk)
+        return path_terms(path, comm_mode, local=_calls_work(sw.local),
+                          extra=_calls_work(sw.remote), queries=0, remote_keys=sw.remote_keys,
+                          key_tokens=0, ring_hidden=0.0, ring_mid_calls=0, segments=sw, **common)
     if path == "lean":
         lw = mw.lean_work(shards, bq, bk)
         local = _blocks_work(lw.local, 1, len(shards))
@@ -508,20 +633,25 @@ def rank_step(
     tiles: int | None = None,
     overlap: bool = RUNTIME_OVERLAP,
     ring_blocks: Sequence[Sequence[Shard]] | None = None,
+    flash_path: str = RUNTIME_FLASH_PATH,
 ) -> StepEstimate:
     """Estimate one rank's per-layer time (module docstring). O(shards + tiles) on the
-    gathered path, O(rows + blocks) on the others (the reference :func:`group_steps` equals).
+    gathered path, O(M^2 D + tiles) on the segments path (M the most shards of one of the
+    rank's D documents), O(rows + blocks) on the others (the reference :func:`group_steps`
+    equals).
 
     ``recv_tokens``: what the rank receives per pass in ``comm_mode`` (``p2p_ring``: the
     (N - 1) x tokens_per_rank the ring's forward moves). ``tiles``: the shards' segment tiles
-    when already counted. ``overlap``: the runtime's switch (no effect on the gathered
-    path). ``ring_blocks``: on the ring path with N > 1, the shards of the blocks the rank
-    attends at steps 1..N-1 (slots i - 1, i - 2, ... mod N). Shards in (doc, start) order,
-    disjoint, as plans hold them.
+    when already counted (gathered path only). ``overlap``: the runtime's switch (no effect
+    on the gathered path). ``ring_blocks``: on the ring path with N > 1, the shards of the
+    blocks the rank attends at steps 1..N-1 (slots i - 1, i - 2, ... mod N). ``flash_path``:
+    how a ``segment``-tiling kernel runs (FLASH_PATHS). Shards in (doc, start) order,
+    disjoint, as plans hold them (the segments path takes them in local-row order).
     """
     t = rank_terms(shards, recv_tokens=recv_tokens, tokens_per_rank=tokens_per_rank,
                    num_ranks=num_ranks, comm_mode=comm_mode, model=model, kernel=kernel,
-                   link=link, tiles=tiles, overlap=overlap, ring_blocks=ring_blocks)
+                   link=link, tiles=tiles, overlap=overlap, ring_blocks=ring_blocks,
+                   flash_path=flash_path)
     return StepEstimate(float(t.kernel_ms), float(t.copy_ms), float(t.comm_ms), float(t.linear_ms))
 
 
@@ -537,18 +667,21 @@ def group_steps(
     link: LinkProfile,
     tiles: np.ndarray | None = None,
     overlap: bool = RUNTIME_OVERLAP,
+    flash_path: str = RUNTIME_FLASH_PATH,
 ) -> StepArrays:
     """:func:`rank_step` of every rank of a group at once (equal to it rank by rank; shard i
-    of ``arrays`` on rank ``arrays.rank[i]``, slot order = rank order), in numpy: gathered
-    path O(shards + tiles), lean O(s log s + blocks), ring O(s log s + t + blocks) for t
+    of ``arrays`` on rank ``arrays.rank[i]``, slot order = rank order, each rank's shards
+    in its local-row order), in numpy: gathered path O(shards + tiles), segments
+    O(s log s + c) for c candidate remote calls (M (M + 1) / 2 per rank, M the most shards
+    of one doc on it), lean O(s log s + blocks), ring O(s log s + t + blocks) for t
     (shard, other holder of its doc) pairs. No loop over ranks. ``tiles``: per-rank segment
-    tiles when already counted."""
+    tiles of the gathered path when already counted (unused on the other paths)."""
     n = num_ranks
     recv = np.asarray(recv_tokens, dtype=np.int64)
     lengths = arrays.end - arrays.start
     real = per_rank_sums(lengths, arrays.bounds)
     segments = np.diff(arrays.bounds)
-    path = execution_path(kernel, comm_mode)
+    path = execution_path(kernel, comm_mode, flash_path)
     common: dict[str, Any] = dict(tokens_per_rank=tokens_per_rank, num_ranks=n, real=real,
                                   recv=recv, model=model, kernel=kernel, link=link,
                                   overlap=overlap)
@@ -566,6 +699,12 @@ def group_steps(
                        ring_mid_calls=0, **common)
         return _arrays(t, n)
     bq, bk = kernel.tile_q, kernel.tile_k
+    if path == "segments":
+        sw = sgw.group_segment_work(arrays.rank, arrays.doc, arrays.start, arrays.end, n, bq, bk)
+        t = path_terms(path, comm_mode, local=_calls_work(sw.local), extra=_calls_work(sw.remote),
+                       queries=zero, remote_keys=sw.remote_keys, key_tokens=zero, ring_hidden=0.0,
+                       ring_mid_calls=0, segments=sw, **common)
+        return _arrays(t, n)
     s = mw.sort_shards(arrays.rank, arrays.doc, arrays.start, arrays.end, n)
     if path == "lean":
         lw = mw.group_lean_work(s, bq, bk)
@@ -635,10 +774,12 @@ class RankTerms(NamedTuple):
 def plan_rank_terms(
     plan: Plan, kernel: KernelProfile, link: LinkProfile, *, comm_mode: str | None = None,
     model: ModelSpec | None = None, overlap: bool = RUNTIME_OVERLAP,
+    flash_path: str = RUNTIME_FLASH_PATH,
 ) -> list[RankTerms]:
     """Per grouped rank of ``plan``, the terms of :func:`rank_step` under any profiles
     (``plan.metrics`` holds them under the plan's named profiles). ``comm_mode`` defaults
-    to the plan's. O(shards + tiles) per rank (ring: per rank and step)."""
+    to the plan's; ``flash_path`` is the runtime's by default. O(shards + tiles) per rank
+    (ring: per rank and step)."""
     mode = comm_mode or plan.comm_mode
     model = model or plan.model
     out = []
@@ -653,11 +794,11 @@ def plan_rank_terms(
             blocks = [group.shards[(slot - s) % n] for s in range(1, n)]
             t = rank_terms(shards, recv_tokens=r, tokens_per_rank=tokens_per_rank, num_ranks=n,
                            comm_mode=mode, model=model, kernel=kernel, link=link,
-                           overlap=overlap, ring_blocks=blocks)
+                           overlap=overlap, ring_blocks=blocks, flash_path=flash_path)
             est = StepEstimate(float(t.kernel_ms), float(t.copy_ms), float(t.comm_ms),
                                float(t.linear_ms))
             out.append(RankTerms(
-                gi, rank, execution_path(kernel, mode), t.work,
+                gi, rank, execution_path(kernel, mode, flash_path), t.work,
                 4.0 * model.head_dim * model.num_heads * t.work.pairs, int(t.copy_bytes),
                 int(t.rows.ops), int(t.comm_bytes), int(t.passes), int(t.peer_steps),
                 float(t.transfer_ms), est,

@@ -18,16 +18,25 @@ bandwidth (the paper's ``v_p``): intra-node when the group fits in one node, int
 otherwise (groups are placed node-aligned when they fit).
 
 ``H``, the hidden part of the exchange, follows what the worker runtime can hide
-(core/step_time.py), not the paper's ``min(T_cpa, T_cma)``: with ``overlap = "none"``
-(flash-attn, the GPU runtime's kernel: blocking exchange) ``H = 0``; with ``"ring"`` (the
-PyTorch kernel's ring) the bandwidth part ``T_cma`` is three equal transfers (forward K/V,
-backward K/V, backward dK/dV: ``alpha3 = 3`` K/V bytes per token): the backward K/V
-travels beside the dK/dV accumulators (hidden), the forward K/V hides behind the forward
-attention of all but the last step, and d - 2 of the d - 1 accumulators hide behind the
-next step's backward attention (the last is waited for after the loop):
-``H = T_cma / 3 + min(T_cma / 3, phi T_cpa (d - 1) / d)
-+ min(T_cma (d - 2) / (3 (d - 1)), (1 - phi) T_cpa (d - 2) / d)``
-with ``T_cpa = alpha1 W / d`` and ``phi`` the forward share of a call (``forward_share``).
+(core/step_time.py), not the paper's ``min(T_cpa, T_cma)``. The bandwidth part ``T_cma``
+is three equal transfers (forward K/V, backward K/V, backward dK/dV: ``alpha3 = 3`` K/V
+bytes per token, a ring's), ``T_cpa = alpha1 W / d`` and ``phi`` the forward share of a
+call (``forward_share``):
+
+- ``overlap = "local"`` (flash-attn on the runtime's default segments path, every comm
+  mode): the exchange is K/V forward and dK/dV back (no backward K/V: its third counts as
+  hidden); the forward exchange hides behind the forward share of the rank's attention
+  on its own keys and the dK/dV return behind the backward share, as in step_time's
+  lean formula. A rank's own keys are taken as 1/d of the keys its queries see (a
+  sequence spread over the d ranks):
+  ``H = T_cma / 3 + min(T_cma / 3, phi T_cpa / d) + min(T_cma / 3, (1 - phi) T_cpa / d)``;
+- ``"none"`` (flash-attn on its gathered path: blocking exchange): ``H = 0``;
+- ``"ring"`` (the PyTorch kernel's ring): the backward K/V travels beside the dK/dV
+  accumulators (hidden), the forward K/V hides behind the forward attention of all but
+  the last step, and d - 2 of the d - 1 accumulators hide behind the next step's backward
+  attention (the last is waited for after the loop):
+  ``H = T_cma / 3 + min(T_cma / 3, phi T_cpa (d - 1) / d)
+  + min(T_cma (d - 2) / (3 (d - 1)), (1 - phi) T_cpa (d - 2) / d)``.
 
 All times are milliseconds per transformer layer, forward plus backward; a whole step is
 this times the layer count, which changes no decision.
@@ -55,11 +64,13 @@ from planner_service.core.profiles import (
 from planner_service.core.step_time import BWD_FLOP_RATIO, execution_path, forward_share
 
 PROFILE_FORMAT = "cp-planner-fcp-profile/v1"
-OVERLAPS = ("none", "ring")
+OVERLAPS = ("none", "ring", "local")
 """What the runtime hides of a group's exchange (module docstring)."""
 OPTIONAL = {"overlap": "none", "forward_share": 0.0}
 """Fields a profile dict may leave out, with their defaults (profiles written before them:
-nothing hidden, as on the GPU runtime)."""
+nothing hidden, as on the gathered flash path)."""
+OVERLAP_OF_PATH = {"segments": "local", "gathered": "none", "ring": "ring"}
+"""The overlap rule of the path the runtime runs a ring plan on (step_time.execution_path)."""
 T = TypeVar("T")
 
 
@@ -92,9 +103,12 @@ class FcpProfile:
     source: str
     """Where the numbers come from (derivation or fit)."""
     overlap: str = "none"
-    """What the runtime hides of the exchange: ``none`` (flash-attn) or ``ring`` (OVERLAPS)."""
+    """What the runtime hides of the exchange (OVERLAPS, module docstring): ``local``
+    (flash-attn's segments path), ``none`` (its gathered path) or ``ring`` (the PyTorch
+    kernel)."""
     forward_share: float = 0.0
-    """The forward pass's share of attention time (``ring`` only; step_time.forward_share)."""
+    """The forward pass's share of attention time (``ring``, ``local``;
+    step_time.forward_share)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -158,8 +172,10 @@ def derive_profile(
     ModelSpec.linear_flops_per_token) at the dense GEMM rate. beta1: one kernel launch
     sequence. alpha3: ring attention moves each remote KV block once forward and KV plus
     dKV backward, 3 x the KV bytes of a token. beta2: one link latency per pass (fwd, bwd).
-    overlap: what the runtime hides with this kernel (``ring`` for the PyTorch kernel, whose
-    ``p2p_ring`` runs as a ring; ``none`` for flash-attn, whose exchange blocks).
+    overlap: what the runtime hides with this kernel on its default path
+    (OVERLAP_OF_PATH: ``ring`` for the PyTorch kernel, whose ``p2p_ring`` runs as a ring;
+    ``local`` for flash-attn, whose segments path overlaps the exchange with the attention
+    on the rank's own keys).
     """
     pair_flops = 4.0 * model.num_heads * model.head_dim
     per_flop_s = 1.0 / (kernel.fwd_tflops * 1e12) + BWD_FLOP_RATIO / (kernel.bwd_tflops * 1e12)
@@ -174,7 +190,7 @@ def derive_profile(
         inter_node_bandwidth_gbps=inter_link.bandwidth_gbps,
         ranks_per_node=ranks_per_node,
         beta2=2.0 * link.latency_us * 1e-3,
-        overlap="ring" if execution_path(kernel, "p2p_ring") == "ring" else "none",
+        overlap=OVERLAP_OF_PATH[execution_path(kernel, "p2p_ring")],
         forward_share=forward_share(kernel),
         source=(
             f"derived (fcp/cost_model.py derive_profile) from kernel {kernel.name} ({kernel.source}), "
@@ -311,6 +327,9 @@ def hidden_ms(attn: Any, wire: Any, degree: Any, profile: FcpProfile) -> Any:
         return 0.0 * wire
     third = wire / 3.0
     phi = profile.forward_share
+    if profile.overlap == "local":
+        own = attn / degree  # the rank's attention on its own keys
+        return third + np.minimum(third, phi * own) + np.minimum(third, (1 - phi) * own)
     late = np.maximum(degree - 2, 0)  # accumulators waited for behind a later step's call
     return (third + np.minimum(third, phi * attn * (degree - 1) / degree)
             + np.minimum(third * late / (degree - 1), (1 - phi) * attn * late / degree))
