@@ -17,7 +17,7 @@ from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Metrics, RankStats, Shard, canonical_json
 from planner_service.core.profiles import get_kernel_profile, get_link_profile
 from planner_service.core.request import PlanRequest
-from planner_service.core.step_time import attention_tiles, rank_step
+from planner_service.core.step_time import attention_tiles, held_kv_mode, rank_step
 from planner_service.solvers.registry import solve
 
 MODES = ("alltoallv", "compact_allgather", "full", "p2p_ring")
@@ -62,8 +62,8 @@ def reference_group_metrics(shards_per_rank, padding, *, comm_mode, model, kerne
     stats = RankStats(tokens=tuple(tokens), workload=tuple(workloads),
                       alltoallv_recv=volumes.alltoallv_recv,
                       allgather_send=volumes.allgather_send,
-                      kv_tokens_peak=cost.kv_tokens_peak(comm_mode, volumes, tokens,
-                                                         tokens_per_rank))
+                      kv_tokens_peak=cost.kv_tokens_peak(held_kv_mode(kernel, comm_mode),
+                                                         volumes, tokens, tokens_per_rank))
     return metrics, stats
 
 

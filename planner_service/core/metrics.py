@@ -15,6 +15,7 @@ from planner_service.core.step_time import (
     attention_tiles_of,
     attention_tiles_per_shard,
     group_steps,
+    held_kv_mode,
     rank_step,
 )
 
@@ -133,7 +134,8 @@ def group_metrics_of(
         workload=tuple(workloads),
         alltoallv_recv=volumes.alltoallv_recv,
         allgather_send=volumes.allgather_send,
-        kv_tokens_peak=cost.kv_tokens_peak(comm_mode, volumes, tokens, tokens_per_rank),
+        kv_tokens_peak=cost.kv_tokens_peak(held_kv_mode(kernel, comm_mode), volumes, tokens,
+                                            tokens_per_rank),
     )
     return metrics, stats
 

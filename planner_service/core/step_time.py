@@ -96,7 +96,7 @@ from planner_service.core import segment_work as sgw
 from planner_service.core.cost import ShardArrays, comm_volumes, per_rank_sums, recv_tokens_by_mode
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Plan, Shard
-from planner_service.core.profiles import KernelProfile, LinkProfile
+from planner_service.core.profiles import KernelProfile, LinkProfile, get_kernel_profile
 
 BWD_FLOP_RATIO = 2.5
 """Backward attention does 2.5x the forward FLOPs (5 vs 2 matmuls; FlashAttention-2 paper)."""
@@ -122,6 +122,16 @@ def execution_path(kernel: KernelProfile, comm_mode: str, flash_path: str = RUNT
     if kernel.tiling == "segment":
         return flash_path
     return "ring" if comm_mode == "p2p_ring" else "lean"
+
+
+def held_kv_mode(kernel: str, comm_mode: str) -> str:
+    """The exchange whose KV a rank holds (``cost.kv_tokens_peak``'s mode) when ``kernel``
+    (a profile name) runs ``comm_mode``: ``p2p_ring`` where the runtime runs a ring (the
+    PyTorch kernel), ``full`` where it runs a ring plan as the full all-gather (flash-attn),
+    else ``comm_mode`` itself."""
+    if comm_mode == "p2p_ring" and execution_path(get_kernel_profile(kernel), comm_mode) != "ring":
+        return "full"
+    return comm_mode
 
 
 def attention_tiles(shards: Sequence[Shard], tile_q: int, tile_k: int) -> int:

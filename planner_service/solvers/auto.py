@@ -28,7 +28,7 @@ from dataclasses import replace
 from planner_service.core.build import Layout, build_plan
 from planner_service.core.profiles import get_kernel_profile
 from planner_service.core.request import PlanRequest
-from planner_service.core.step_time import execution_path
+from planner_service.core.step_time import execution_path, held_kv_mode
 from planner_service.solvers.fcp_strategy import Intra
 from planner_service.solvers.kv_bound import KvBoundError, kv_floor, plan_peak
 
@@ -92,7 +92,8 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
     if best is None:
         assert bound is not None and least is not None
         raise KvBoundError(bound, least, HOW,
-                           min(kv_floor(doc_lengths, request.cp_size, mode) for mode in modes))
+                           min(kv_floor(doc_lengths, request.cp_size, held_kv_mode(request.kernel, mode))
+                               for mode in modes))
     _, name, mode, layout = best
     return Layout(
         layout.groups,

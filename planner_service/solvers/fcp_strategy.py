@@ -42,6 +42,7 @@ from planner_service.core.errors import FieldError
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Shard
 from planner_service.core.request import MAX_TOKENS, PlanRequest, check_int
+from planner_service.core.step_time import held_kv_mode
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, get_profile
 from planner_service.fcp.grouping import check_options, group_table, memory_error
 from planner_service.fcp.placement import place_groups
@@ -154,7 +155,8 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
     if even < memory:
         candidates.append(Candidate(f"fcp memory_tokens={even}", lambda: grouped(even)))
     candidates.append(Candidate("fcp one-group", one_group))
-    return first_within(candidates, bound=bound, comm_mode=mode, doc_lengths=doc_lengths,
+    return first_within(candidates, bound=bound, comm_mode=held_kv_mode(request.kernel, mode),
+                        doc_lengths=doc_lengths,
                         num_ranks=n, how=HOW).layout
 
 
@@ -206,10 +208,11 @@ def group_layouts(
             if bound is not None:
                 solved = listed(solved)
                 assert comm_mode is not None, "a KV bound is measured in the plan's exchange"
-                peak = layout_peak(solved, comm_mode)
+                peak = layout_peak(solved, held_kv_mode(kernel, comm_mode))
                 if peak > bound:
                     raise KvBoundError(bound, peak, FIXED,
-                                       kv_floor(request.doc_lengths, degree, comm_mode))
+                                       kv_floor(request.doc_lengths, degree,
+                                                held_kv_mode(kernel, comm_mode)))
         except KvBoundError as exc:
             refused.append(exc)
             continue
@@ -224,6 +227,7 @@ def group_layouts(
         assert bound is not None and comm_mode is not None
         worst = max(refused, key=lambda exc: exc.least)
         raise KvBoundError(bound, worst.least, f"its largest group figure: {worst.how}",
-                           kv_floor([x for seq in sequences for x in seq], sum(degrees), comm_mode))
+                           kv_floor([x for seq in sequences for x in seq], sum(degrees),
+                                    held_kv_mode(kernel, comm_mode)))
     layouts.sort(key=lambda g: g.ranks[0])
     return layouts

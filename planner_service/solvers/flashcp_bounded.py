@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.request import PlanRequest
+from planner_service.core.step_time import held_kv_mode
 from planner_service.solvers.flashcp import flashcp_layout
 from planner_service.solvers.kv_bound import Candidate, first_within
 from planner_service.solvers.memory_first import memory_first_shards
@@ -68,5 +69,6 @@ def bounded_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> 
     if bound is None:
         return flashcp_layout(doc_lengths, request)
     return first_within(flashcp_candidates(doc_lengths, request), bound=bound,
-                        comm_mode=request.comm_mode or "alltoallv", doc_lengths=doc_lengths,
+                        comm_mode=held_kv_mode(request.kernel, request.comm_mode or "alltoallv"),
+                        doc_lengths=doc_lengths,
                         num_ranks=request.cp_size).layout

@@ -34,6 +34,7 @@ from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.cost import CommVolumes, alltoallv_receives, kv_tokens_peak
 from planner_service.core.errors import FieldError
 from planner_service.core.plan import Plan, Shard
+from planner_service.core.step_time import held_kv_mode
 
 FIELD = "max_kv_tokens_per_rank"
 GATHER_MODES = ("full", "compact_allgather", "alltoallv")
@@ -113,7 +114,8 @@ def check_plan(plan: Plan, bound: int | None) -> None:
     peak = plan_peak(plan)
     if peak > bound:
         raise KvBoundError(bound, peak, FIXED,
-                           kv_floor(plan.doc_lengths, plan.cp_size, plan.comm_mode))
+                           kv_floor(plan.doc_lengths, plan.cp_size,
+                                    held_kv_mode(plan.kernel, plan.comm_mode)))
 
 
 class Candidate(NamedTuple):

@@ -31,6 +31,7 @@ from planner_service.core.build import Layout
 from planner_service.core.cost import alltoallv_receives, rank_workloads
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
+from planner_service.core.step_time import held_kv_mode
 from planner_service.solvers.flashcp_bounded import flashcp_candidates
 from planner_service.solvers.ilp import cpsat
 from planner_service.solvers.ilp.blocks import (
@@ -93,7 +94,7 @@ def hold_bound(doc_lengths: Sequence[int], request: PlanRequest, options: IlpOpt
     Raises ``KvBoundError`` if no step holds the bound."""
     bound = request.max_kv_tokens_per_rank
     assert bound is not None
-    n, mode = request.cp_size, request.comm_mode or "alltoallv"
+    n, mode = request.cp_size, held_kv_mode(request.kernel, request.comm_mode or "alltoallv")
     peak = group_peak(unbounded.shards, mode)
     if peak <= bound:
         return Bounded(unbounded, "ilp")
