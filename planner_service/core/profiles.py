@@ -38,7 +38,8 @@ class KernelProfile:
     call_overhead_us: float
     """Fixed cost of one forward+backward kernel launch sequence (launch, preprocess, dq convert)."""
     per_seq_us: float
-    """Extra cost per varlen sequence (per shard): scheduling and partial-tile epilogues."""
+    """Extra cost per varlen segment of a kernel call (a shard on the gathered path, a doc
+    piece on the segments path): scheduling and partial-tile epilogues."""
     linear_tflops: float
     """Sustained dense GEMM TFLOP/s for the linear layers."""
     copy_gbps: float
