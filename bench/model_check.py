@@ -597,6 +597,26 @@ def scatter(path: Path, plans: list[dict[str, Any]], title: str) -> None:
     plt.close(fig)
 
 
+def layout_key(plan: Plan) -> str:
+    """What the runtime executes of a plan: its exchange and every group's ranks, shards and
+    padding (strategies that return the same layout run the same program)."""
+    return json.dumps([plan.comm_mode, [[list(g.ranks), [[list(s) for s in rank] for rank in g.shards],
+                                         list(g.padding)] for g in plan.groups]])
+
+
+def distinct_layouts(keys: Sequence[tuple[int, str]], batches: list[dict[str, Any]]
+                     ) -> tuple[list[tuple[int, str]], dict[tuple[int, str], tuple[int, str]]]:
+    """The plans to run (the first of each batch's distinct layouts) and, for every plan,
+    the one whose measurement it shares. Measuring one layout twice and ranking the two
+    runs would rank noise."""
+    first: dict[tuple[int, str], tuple[int, str]] = {}
+    same: dict[tuple[int, str], tuple[int, str]] = {}
+    for bi, s in keys:
+        rep = first.setdefault((bi, layout_key(batches[bi]["plans"][s])), (bi, s))
+        same[(bi, s)] = rep
+    return list(first.values()), same
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     load_start = os.getloadavg()
@@ -609,10 +629,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plan_seconds = time.perf_counter() - start
     measured: dict[tuple[int, str], list[dict[str, Any]]] = {}
     kernel_name = "flash" if cuda else "torch"
+    runs = 0  # distinct layouts run
     for n in args.cp_sizes:
-        keys = [(bi, s) for bi, b in enumerate(batches) if b["n"] == n for s in b["plans"]]
-        if not keys:
+        every = [(bi, s) for bi, b in enumerate(batches) if b["n"] == n for s in b["plans"]]
+        if not every:
             continue
+        keys, same = distinct_layouts(every, batches)
+        runs += len(keys)
         plans = [batches[bi]["plans"][s] for bi, s in keys]
         work = ([p.to_json() for p in plans], model.to_dict(), args.repeats, args.device,
                 kernel_name, args.overlap, args.reference_segments)
@@ -622,14 +645,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 measured[(bi, s)] = measure_kernel_only(batches[bi]["plans"][s], model, args.repeats,
                                                         device, torch.bfloat16, kernel_name,
                                                         args.reference_segments)
-            continue
-        if cuda:
-            results = run_nccl(n, work, timeout_s=args.world_timeout)
         else:
-            results = run_distributed(measure_worker, n, *work, timeout_s=args.world_timeout,
-                                      pg_timeout_s=args.world_timeout)
-        for j, key in enumerate(keys):
-            measured[key] = [results[r][j] for r in range(n)]
+            if cuda:
+                results = run_nccl(n, work, timeout_s=args.world_timeout)
+            else:
+                results = run_distributed(measure_worker, n, *work, timeout_s=args.world_timeout,
+                                          pg_timeout_s=args.world_timeout)
+            for j, key in enumerate(keys):
+                measured[key] = [results[r][j] for r in range(n)]
+        for key, rep in same.items():
+            if key != rep:
+                measured[key] = [dict(m) for m in measured[rep]]
     records = rank_records(batches, measured, base_kernel, base_link, args.overlap)
     fit_records = [r for r in records if r["batch"] % 2 == 0]
     fitted = fit_step_profile(fit_records, base_kernel=base_kernel, base_link=base_link,
@@ -638,7 +664,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(
         seconds=time.perf_counter() - start, plan_seconds=plan_seconds, load_start=load_start,
         load_end=os.getloadavg(), records=records, fit=profile_document(fitted),
-        terms=term_errors(records), num_plans=sum(1 for _ in measured),
+        terms=term_errors(records), num_plans=sum(1 for _ in measured), num_runs=runs,
         paths={p: sum(1 for b in batches for q in b.get("paths", {}).values() if q == p)
                for p in sorted({q for b in batches for q in b.get("paths", {}).values()})},
         skipped=[f"{b['dataset']} N={b['n']} #{b['sequence']}: {s}: {why}"
@@ -675,7 +701,8 @@ def write_outputs(args: argparse.Namespace, r: dict[str, Any], model: ModelSpec)
         f"(plans): {', '.join(f'{p} {c}' for p, c in r['paths'].items())}"
         f"{' (segments with the reference PyTorch segment kernel)' if args.reference_segments else ''}; "
         f"model {model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim}. "
-        f"{r['num_plans']} plans measured ({len(r['records'])} rank records), {args.repeats} repeats "
+        f"{r['num_plans']} plans measured as {r['num_runs']} distinct layouts (plans of one batch "
+        f"with the same shards share one run) ({len(r['records'])} rank records), {args.repeats} repeats "
         f"each (median); data sets {', '.join(args.datasets)}; N in {list(args.cp_sizes)}; "
         f"{args.tokens_per_rank} tokens per rank. Run took {r['seconds']:.0f} s "
         f"(planning {r['plan_seconds']:.0f} s); load average {r['load_start'][0]:.1f} at start, "

@@ -123,3 +123,18 @@ def test_a_run_the_profile_prices_on_another_path_is_an_error():
         rank_records(batches, measured, kernel, link, False)
     records = rank_records(batches, measured, KERNEL_PROFILES["h100-fa2"], link, False)
     assert {r["path"] for r in records} == {"segments"} and batches[0]["paths"] == {"flashcp": "segments"}
+
+
+def test_plans_with_the_same_layout_share_one_run():
+    from bench.model_check import distinct_layouts
+    from planner_service.core.request import PlanRequest
+    from planner_service.solvers.registry import solve
+
+    lengths = (700, 300, 250, 100)
+    a = solve(PlanRequest(doc_lengths=lengths, cp_size=2, strategy="per_doc"))
+    b = solve(PlanRequest(doc_lengths=lengths, cp_size=2, strategy="flashcp"))
+    batches = [{"plans": {"per_doc": a, "same": a, "flashcp": b}}]
+    runs, same = distinct_layouts([(0, "per_doc"), (0, "same"), (0, "flashcp")], batches)
+    assert runs == [(0, "per_doc"), (0, "flashcp")]
+    assert same == {(0, "per_doc"): (0, "per_doc"), (0, "same"): (0, "per_doc"),
+                    (0, "flashcp"): (0, "flashcp")}
