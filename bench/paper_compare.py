@@ -102,8 +102,9 @@ def main() -> None:
         f"Command: `.venv/bin/python -m bench.paper_compare --sequences {args.sequences}`",
         "",
         f"{args.sequences} packed 128K sequences per data set (seed 0); every prediction from "
-        "core/step_time.py, each plan run as the worker runtime runs it with flash-attn (nothing "
-        "overlapped; ring and zigzag as the full all-gather). Paper figures: FlashCP arXiv:2606.08476, "
+        "core/step_time.py, each plan run as the worker runtime runs it with flash-attn (the "
+        "segments path: the exchange overlapped with local-key attention; ring and zigzag as "
+        "the full all-gather). Paper figures: FlashCP arXiv:2606.08476, "
         "section A4, averages over WLB-LLM, Pile and RedPajama, CP 4 and 8, 16 and 32 heads "
         "(8 x H100 SXM, NVLink). Predictions average over the cells below (WLB-LLM and "
         f"Pile-like only). Load average {load:.1f} (irrelevant: nothing here is timed).",
@@ -133,24 +134,23 @@ def main() -> None:
 
 
 EXPLANATIONS = [
-    "- **per_doc**: the nearest to the paper. Both sides pay per_doc's exposed full all-gather "
-    "and its short shards; the model charges short shards only tile quantisation plus "
-    "0.4-0.6 us per segment (cited, not measured on H100), and uses a Pile-like family, not "
-    "the Pile, and no RedPajama.",
-    "- **llama3**: the model ranks llama3 *below* per_doc, the paper above it: the model charges "
-    "llama3's imbalance (2N chunks of the packed sequence split long documents unevenly) in "
-    "full but charges per_doc's fine shards only tile quantisation, so the per-segment "
-    "inefficiency the paper describes for Per-Doc CP (occupancy of short segments) is the "
-    "term the model most likely lacks.",
-    "- **ring**: the model runs ring as this runtime's flash-attn path does (the full "
-    "all-gather, exposed, then one kernel; its ring execution with overlap is on the PyTorch "
-    "kernel only); the paper's Ring-Attn overlaps each P2P step with compute (hides the "
-    "exchange: 0.2x to 0.5x of the predicted ratio) but runs N kernel calls on fragments and "
-    "merges partial outputs, neither of which this runtime does or the model charges.",
-    "- **zigzag**: here the zigzag plan (per-doc zigzag chunks) runs exactly like per_doc "
-    "(one all-gather, one kernel), so the model predicts the same time as per_doc; the "
+    "- **per_doc**: near the paper with FA3, below it with FA2 (a slower kernel dilutes the "
+    "exchange and per-call costs that separate the two). Both sides pay per_doc's full "
+    "all-gather and its short pieces; the model charges short pieces tile quantisation, "
+    "per-call and per-segment overheads (cited, not measured on H100) and the segments path's "
+    "extra calls and merges, and uses a Pile-like family, not the Pile, and no RedPajama.",
+    "- **llama3**: the model puts llama3 further behind flashcp than the paper: llama3's cost "
+    "here is its imbalance (2N equal chunks of the packed sequence split long documents "
+    "unevenly), charged in full at the slowest rank; the paper's averages also include "
+    "forward-only runs and RedPajama, where it may weigh less (an assumption, not checked).",
+    "- **ring**: close to the paper. This runtime runs a ring plan under flash-attn as the "
+    "full all-gather on the segments path (its ring execution is on the PyTorch kernel only), "
+    "so the model prices that; the paper's Ring-Attn hides each P2P step behind compute but "
+    "runs N kernel calls on fragments with merges. The two differences roughly cancel here.",
+    "- **zigzag**: the model predicts zigzag = per_doc, because under flash-attn this runtime "
+    "runs the zigzag plan's chunks exactly as per_doc's (same shards, full all-gather); the "
     "paper's ring-flash-attention zigzag runs 2 chunk kernels per doc per ring step with "
-    "log-sum-exp merges: per-step kernel calls and merge copies the model lacks.",
+    "log-sum-exp merges, per-step calls and merge copies this runtime does not run.",
     "- **all**: the paper's averages include inference (forward only) and RedPajama, and the "
     "paper names no GQA (MHA assumed here: more KV bytes than Llama-3's 8 KV heads).",
 ]
