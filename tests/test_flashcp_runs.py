@@ -1,12 +1,13 @@
 """Runs of equal docs on many ranks (``runs.place_run_exact``): the same docs to the same
-ranks as the least-key rule doc by doc (``runs.place_run_reference``), from any layout;
-``place.place`` uses it beyond ``place.REFRESH`` ranks; the largest equal-docs request
-solves and validates."""
+ranks as the least-key rule doc by doc (``runs.place_run_reference``), from any layout, in
+blocks and one doc at a time; ``place.place`` uses it beyond ``place.REFRESH`` ranks; the
+largest equal-docs request solves and validates."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -45,54 +46,76 @@ def held_before(rng: random.Random, n: int, kind: str, length: int) -> list[tupl
     return out
 
 
-def run_case(seed: int, n: int) -> tuple[str, int, list[tuple[int, int]], int, int, int, int,
-                                         float]:
-    """(the layout's kind, length, held, docs in the run, capacity, tokens and workload
-    left, allowed workload)."""
+def run_case(seed: int, n: int) -> tuple[int, list[tuple[int, int]], int, int, int, int, float]:
+    """(length, held, docs in the run, capacity, tokens and workload left, allowed)."""
     rng = random.Random(seed)
     kind = ("empty", "levels", "random")[seed % 3]
     length = rng.choice((1, 2, 3, 7, 20, 21, 64))
     count = rng.randint(1, max(600, 3 * n) if n < 1024 else 1200)
     held = held_before(rng, n, kind, length)
-    # Shorter docs after the run (sloped densities) or none (flat).
-    later = [rng.randint(1, length) for _ in range(rng.choice((0, 0, 3, 50, 400)))]
+    # Docs after the run: none (flat densities), shorter (sloped), or some longer too
+    # (densities above (L + 1) / 2: not a longest-first order).
+    longest = length if seed % 4 else 3 * length
+    later = [rng.randint(1, longest) for _ in range(rng.choice((0, 0, 3, 50, 400)))]
     rest_tokens = count * length + sum(later)
     rest_work = count * doc_workload(length) + sum(map(doc_workload, later))
     cap = max(t for t, _ in held) + -(-count * length // n) + rng.randint(0, 2 * length)
     total_work = rest_work + sum(w for _, w in held)
     allowed = rng.choice((1.0, 1.05, 1.3, 100.0)) * total_work / n
-    return kind, length, held, count, cap, rest_tokens, rest_work, allowed
+    return length, held, count, cap, rest_tokens, rest_work, allowed
 
 
 @pytest.mark.parametrize("n", RANKS)
 @pytest.mark.parametrize("seed", range(12))
-def test_exact_blocks_place_as_the_rule_doc_by_doc(n, seed):
-    """Blocks where they are certified, one doc by the rule where they stop short: the
-    same layout as the rule doc by doc all along, so every block placed as the rule. From
-    empty or round-robin layouts the first call places all the rule does."""
-    kind, length, held, count, cap, rest_tokens, rest_work, allowed = run_case(seed, n)
-    docs = list(range(count))
-    slow = layout(n, cap, held)
-    want = runs.place_run_reference(length, docs, slow, allowed, rest_tokens, rest_work)
-    fast = layout(n, cap, held)
-    at, left_tokens, left_work, first = 0, rest_tokens, rest_work, None
-    while at < count:
-        got = runs.place_run_exact(length, docs[at:], fast, allowed, left_tokens, left_work)
-        first = got.placed if first is None else first
-        if got.placed:
-            assert got.density == runs.run_densities(length, at + got.placed, rest_tokens,
-                                                     rest_work)[-1]
-        else:
-            got = runs.place_run_reference(length, docs[at:at + 1], fast, allowed, left_tokens,
-                                           left_work)
-            if not got.placed:
-                break
-        at, left_tokens, left_work = at + got.placed, got.rest_tokens, got.rest_work
-    assert at == want.placed
-    assert (left_tokens, left_work) == (want.rest_tokens, want.rest_work)
+def test_exact_blocks_place_as_the_rule_doc_by_doc(n, seed, monkeypatch):
+    """From empty, round-robin and random layouts: the same docs to the same ranks as the
+    rule doc by doc, up to the same doc no rank takes whole. From empty and round-robin
+    layouts along longest-first densities, blocks place every doc."""
+    length, held, count, cap, rest_tokens, rest_work, allowed = run_case(seed, n)
+    one_by_one = []
+
+    def single_steps(*args):
+        chosen, stopped = steps(*args)
+        one_by_one.append(len(chosen))
+        return chosen, stopped
+
+    steps = runs.single_steps
+    monkeypatch.setattr(runs, "single_steps", single_steps)
+    slow, fast = layout(n, cap, held), layout(n, cap, held)
+    want = runs.place_run_reference(length, range(count), slow, allowed, rest_tokens, rest_work)
+    got = runs.place_run_exact(length, range(count), fast, allowed, rest_tokens, rest_work)
+    assert got == want
     assert (fast.shards, fast.tokens, fast.work) == (slow.shards, slow.tokens, slow.work)
-    if kind != "random":
-        assert first == want.placed
+    if seed % 3 < 2 and seed % 4:  # empty or round robin; no doc after the run is longer
+        assert sum(one_by_one) <= 1  # at most the last doc of all (density 0)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    n=st.sampled_from(RANKS),
+    count=st.integers(1, 300),
+    data=st.data(),
+)
+def test_one_doc_at_a_time_places_as_the_rule(n, count, data):
+    """``single_steps`` alone (what blocks that fail fall back to), from random layouts."""
+    length = data.draw(st.integers(1, 30))
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    held = held_before(rng, n, "random", length)
+    cap = max(t for t, _ in held) + data.draw(st.integers(0, 3 * length))
+    later = data.draw(st.lists(st.integers(1, 3 * length), max_size=30))
+    rest_tokens = count * length + sum(later)
+    rest_work = count * doc_workload(length) + sum(map(doc_workload, later))
+    allowed = data.draw(st.sampled_from([1.0, 1.3, 100.0])) * (
+        rest_work + sum(w for _, w in held)) / n
+    slow = layout(n, cap, held)
+    want = runs.place_run_reference(length, range(count), slow, allowed, rest_tokens, rest_work)
+    work = np.array([w for _, w in held], dtype=np.int64)
+    tokens = np.array([t for t, _ in held], dtype=np.int64)
+    chosen, stopped = runs.single_steps(work, tokens, cap, length, allowed,
+                                        runs.run_densities(length, count, rest_tokens, rest_work))
+    assert len(chosen) == want.placed and stopped == (want.placed < count)
+    assert [[s.doc for s in shards] for shards in slow.shards] == [
+        np.flatnonzero(chosen == r).tolist() for r in range(n)]
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

@@ -26,10 +26,11 @@ key, ``runs.place_run`` places them as the heap would, O(N) numpy work per doc. 
 ranks the density changes from doc to doc along a run, every stored key goes stale and
 the heap would spend its ``REFRESH`` steps on most docs and still be inexact;
 ``runs.place_run_exact`` places them by the exact rule (least current key, lowest rank on
-ties) in O((K + N) log(K + N)) per block of K docs. A run it stops short of (a doc no rank
-takes whole, or blocks that fail their check) goes on one doc at a time through the heap
-and is tried again after ``runs.RUN_RETRY`` docs, twice as many at each try on more than
-``REFRESH`` ranks: O(N log N log D) for the tries over a request.
+ties): O((K + N) log(K + N)) per block of K docs where its blocks pass their check, O(N)
+per doc where they do not (ranks whose keys cross as the density falls). A run stops
+short at a doc no rank takes whole; the heap goes on from there, and the run is tried
+again after ``runs.RUN_RETRY`` docs (on more than ``REFRESH`` ranks, twice as many at
+each try: at most log D tries of O(N + K) per run).
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ def place(
             at, left, tries = heads.pop(doc)
             placed, changed, rest_tokens, rest_work, last = run_placement(
                 doc_lengths[doc], order[at:at + left], ranks, allowed, rest_tokens, rest_work)
-            # Stopped short: tried again after some docs one by one (on many ranks, twice as
-            # many at each try, so tries that place little cost O(N log N) log D in all).
+            # Stopped short (a doc no rank takes whole): tried again after some docs one by
+            # one (on many ranks, twice as many at each try: tries placing nothing, as
+            # when no rank has room left, cost O(N + K) each, log D of them per run).
             gap = RUN_RETRY if n <= REFRESH else RUN_RETRY << tries
             if left - placed - gap >= RUN_MIN:
                 heads[order[at + placed + gap]] = (at + placed + gap, left - placed - gap,

@@ -33,12 +33,17 @@ is below ``EXACT``.
     the i-th doc every rank's next doc lies at or after the i-th predicted doc in that
     sequence, so the predicted rank has the least key (the lowest rank among equal
     keys) at the doc's density: the rule. From empty ranks, or ranks holding docs of
-    the run's length only (a round robin), blocks pass. Where the ranks' token counts differ
-    widely, keys of ranks cross as d falls, and a block across a crossing fails: it is
-    halved, and below ``RUN_BLOCK[0]`` docs the run stops (``place``'s loop places the
-    next docs by its heap and tries again later). O((K + N) log(K + N)) per block.
+    the run's length only (a round robin), blocks pass. Where the ranks' token counts
+    differ widely, keys of ranks cross as d falls, and a block across a crossing fails:
+    it is halved, and below ``RUN_BLOCK[0]`` docs the next docs go one at a time.
+    O((K + N) log(K + N)) per block.
+  * One at a time (``single_steps``: after failed blocks, for densities above h, which
+    only orders other than longest first give, and for flat keys too large for float64
+    to hold exactly): every rank's key, the least taken, O(N) per doc in numpy.
 
-  ``place_run_reference`` is the rule doc by doc, O(K N) in Python.
+  The run ends only where the rule ends it: at a doc no rank takes whole (its rank of
+  least key has no room or would pass the allowed workload), which ``place``'s loop then
+  spills or splits. ``place_run_reference`` is the rule doc by doc, O(K N) in Python.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ RUN_RETRY = 64
 tried again (on more than ``place.REFRESH`` ranks, doubled at each try)."""
 RUN_BLOCK = (64, 4096)
 """Smallest and largest block of docs ``place_run`` checks at once; the smallest block
-``place_run_exact`` certifies."""
+``place_run_exact`` certifies, and the fewest and most docs it places one at a time
+before trying blocks again."""
 EXACT_BLOCK = 1 << 16
 """Largest block ``place_run_exact`` certifies at once."""
 FLAT_LIMIT = 1 << 51
@@ -224,11 +230,16 @@ def place_run_exact(
     rest_work: int,
 ) -> RunPlaced:
     """Place a leading part of a run of equal docs (each ``length`` tokens, in order) by
-    the least-key rule, in flat and sloped blocks (module docstring); the same docs to
-    the same ranks as ``place_run_reference``, which may go on further. Stops at a doc
-    no rank takes whole, at a density above (L + 1) / 2 (not a longest-first order) or
-    when a block of ``RUN_BLOCK[0]`` docs fails its check. O((K + N) log(K + N)) per
-    block of K docs, O(N + K) to start and to add the shards."""
+    the least-key rule (module docstring): the same docs to the same ranks as
+    ``place_run_reference``, stopping at the same doc (one no rank takes whole).
+
+    Flat docs go in one block; sloped docs in blocks of K, from ``RUN_BLOCK[0]`` docs,
+    doubled after a block passes its check and halved after one fails; below
+    ``RUN_BLOCK[0]`` (and for densities above (L + 1) / 2: not a longest-first order),
+    docs go one at a time (``single_steps``), ``RUN_BLOCK[0]`` of them before blocks
+    are tried again, twice as many after each block that fails in a row. O((K + N)
+    log(K + N)) per block of K docs, O(N) per doc one at a time, O(N + K) to start and
+    to add the shards."""
     n = len(ranks.work)
     doc_work = length * (length + 1) // 2
     cap = ranks.capacity
@@ -239,26 +250,29 @@ def place_run_exact(
     flat_exact = (int(work.max(initial=0)) + len(docs) * doc_work < FLAT_LIMIT
                   and cap * (length + 1) < FLAT_LIMIT)
     picks: list[np.ndarray] = []
-    placed, block = 0, RUN_BLOCK[0]
+    placed, block, steps, burst = 0, RUN_BLOCK[0], 0, RUN_BLOCK[0]
     while placed < len(docs):
         rest = densities[placed:]
         if rest[0] == half and flat_exact:
             count = int(np.argmin(rest == half)) if not (rest == half).all() else len(rest)
             chosen, stop = flat_block(work, tokens, cap, length, allowed, half, count)
-        elif rest[0] < half:
+        elif rest[0] < half and not steps:
             # The sloped docs of the block: every density below h.
             span = rest[:block]
             count = int(np.argmin(span < half)) if not (span < half).all() else len(span)
             found = sloped_block(work, tokens, cap, length, allowed, span[:count])
-            if found is None:  # not certified: a smaller block, or stop
-                if block // 2 < RUN_BLOCK[0]:
-                    break
-                block //= 2
+            if found is None:  # not certified: a smaller block, or docs one at a time
+                if block // 2 >= RUN_BLOCK[0]:
+                    block //= 2
+                else:
+                    steps, burst = burst, min(2 * burst, RUN_BLOCK[1])
                 continue
             chosen, stop = found
-            block = min(2 * block, EXACT_BLOCK)
-        else:
-            break
+            block, burst = min(2 * block, EXACT_BLOCK), RUN_BLOCK[0]
+        else:  # one at a time: after a failed block, above h, or flat keys that would round
+            count = min(steps or RUN_BLOCK[1], len(rest))
+            chosen, stop = single_steps(work, tokens, cap, length, allowed, rest[:count])
+            steps = max(0, steps - count)
         if len(chosen):
             given = np.bincount(chosen, minlength=n)
             work += given * doc_work
@@ -272,6 +286,33 @@ def place_run_exact(
     changed = add_run(ranks, np.concatenate(picks), docs[:placed], length)
     return RunPlaced(placed, changed, rest_tokens - placed * length,
                      rest_work - placed * doc_work, float(densities[placed - 1]))
+
+
+def single_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
+                 densities: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The ranks of the next docs (one per density) by the rule one doc at a time: the
+    least key work - tokens x d (float64, as ``place`` computes it: both figures exact
+    below 2^53; ties: the lowest rank, ``np.argmin``'s first) among the ranks with room;
+    (ranks, stopped at a doc no rank takes whole). O(N) per doc, in numpy."""
+    doc_work = length * (length + 1) // 2
+    heavy = work.astype(np.float64)
+    long = tokens.astype(np.float64)
+    barred = np.where(tokens <= cap - length, 0.0, np.inf)  # inf: no room
+    keys = np.empty(len(work))
+    chosen: list[int] = []
+    for density in densities.tolist():
+        np.multiply(long, density, out=keys)
+        np.subtract(heavy, keys, out=keys)
+        keys += barred  # x + 0.0 is x: the keys of ranks with room stay as computed
+        r = int(keys.argmin())
+        if barred[r] or heavy[r] + doc_work > allowed:
+            return np.array(chosen, dtype=np.int64), True
+        chosen.append(r)
+        heavy[r] += doc_work
+        long[r] += length
+        if long[r] > cap - length:
+            barred[r] = np.inf
+    return np.array(chosen, dtype=np.int64), False
 
 
 def add_run(ranks: Ranks, chosen: np.ndarray, docs: Sequence[int], length: int) -> list[int]:
