@@ -3,10 +3,13 @@
     python -m bench.scale_plans --base /path/to/main/checkout          # this tree against it
     python -m bench.scale_plans --base A --new B --only flashcp --quick
     python -m bench.scale_plans --base /path/to/main --cache /tmp/main_plans.json  # base once
+    python -m bench.scale_plans --base /path/to/main --out bench/results/scale_plans.md
 
 Each tree solves every request in its own process (``PYTHONPATH`` = the tree) and reports,
 per request, the sha256 of the plan's canonical JSON (``Plan.to_json``: every shard, figure
-and the plan_id); the requests whose digests differ are listed and the exit status is 1.
+and the plan_id) and the plan's imbalance and comm savings; the requests whose digests
+differ are listed with those figures in both trees and their means, and the exit status
+is 1. ``--out`` writes the same as markdown.
 
 Requests (``requests``): packed sequences of the two shared data sets and every parametric
 family at 32K to 2M tokens over N = 1 .. 1024, every comm_mode and several R; adversarial
@@ -23,6 +26,7 @@ import hashlib
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -71,7 +75,7 @@ def requests(quick: bool) -> Iterator[tuple[str, dict]]:
     ]
     for d in ((10, 1000, 10_000) if quick else (10, 100, 1000, 10_000, 100_000)):
         length, extra = divmod(2097152, d)
-        for n in (8, 9, 64, 1024) if d <= 10_000 or not quick else (8,):
+        for n in (8, 9, 16, 64, 256, 1024) if d <= 10_000 or not quick else (8,):
             adversarial.append((f"{d} equal docs, N={n}", [length + (i < extra) for i in range(d)], n))
     for n in (4, 8, 16, 256, 1024):
         adversarial.append((f"two lengths, N={n}", [300] * 500 + [17] * 4000 + [5000] * 7, n))
@@ -86,8 +90,13 @@ def requests(quick: bool) -> Iterator[tuple[str, dict]]:
                                      imbalance_target=1.05)
 
 
-def digests(quick: bool, only: str | None) -> dict[str, str]:
-    """In the tree on ``sys.path``: per request, the sha256 of its plan's JSON."""
+FIGURES = ("imbalance", "comm_saving_alltoallv", "comm_saving_allgather")
+"""Plan metrics reported beside each digest."""
+
+
+def digests(quick: bool, only: str | None) -> dict[str, dict]:
+    """In the tree on ``sys.path``: per request, the sha256 of its plan's JSON and its
+    ``FIGURES``."""
     from planner_service.core.request import PlanRequest
     from planner_service.solvers.registry import solve
 
@@ -96,11 +105,34 @@ def digests(quick: bool, only: str | None) -> dict[str, str]:
         if only and fields.get("strategy", "flashcp") != only:
             continue
         request = PlanRequest(**{**fields, "doc_lengths": tuple(fields["doc_lengths"])})
-        out[name] = hashlib.sha256(solve(request, check=False).to_json().encode()).hexdigest()
+        plan = solve(request, check=False)
+        out[name] = {"digest": hashlib.sha256(plan.to_json().encode()).hexdigest(),
+                     **{f: getattr(plan.metrics, f) for f in FIGURES}}
     return out
 
 
-def _run(tree: str, args: argparse.Namespace) -> dict[str, str]:
+def report(base: dict[str, dict], new: dict[str, dict], differ: Sequence[str]) -> list[str]:
+    """Markdown lines: the differing requests' figures in both trees, and their means."""
+    lines = [f"{len(base) - len(differ)} / {len(base)} plans identical.", ""]
+    if not differ:
+        return lines
+    lines += ["| request | imbalance base | new | saving a2av base | new | saving compact AG base | new |",
+              "|---|---|---|---|---|---|---|"]
+
+    def row(name: str, b: dict, n: dict) -> str:
+        return (f"| {name} | {b['imbalance']:.4f} | {n['imbalance']:.4f} | "
+                f"{b['comm_saving_alltoallv']:.2%} | {n['comm_saving_alltoallv']:.2%} | "
+                f"{b['comm_saving_allgather']:.2%} | {n['comm_saving_allgather']:.2%} |")
+
+    for name in differ:
+        lines.append(row(name, base[name], new[name]))
+    means = [{f: statistics.fmean(tree[name][f] for name in differ) for f in FIGURES}
+             for tree in (base, new)]
+    lines.append(row(f"mean of the {len(differ)}", *means))
+    return lines
+
+
+def _run(tree: str, args: argparse.Namespace) -> dict[str, dict]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker"]
     command += ["--quick"] if args.quick else []
     command += ["--only", args.only] if args.only else []
@@ -119,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--only", default=None, help="only this strategy's requests")
     parser.add_argument("--cache", default=None,
                         help="JSON file of the base tree's digests: read if present, else written")
+    parser.add_argument("--out", default=None, help="markdown report (default: print only)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -134,10 +167,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         if cache is not None:
             cache.write_text(json.dumps(base, indent=0) + "\n")
     new = _run(args.new, args)
-    differ = [name for name in base if base[name] != new.get(name)]
-    for name in differ:
-        print(f"differs: {name}")
-    print(f"{len(base) - len(differ)} / {len(base)} plans identical")
+    differ = [name for name in base if name in new and base[name]["digest"] != new[name]["digest"]]
+    lines = report(base, new, differ)
+    print("\n".join(lines))
+    if args.out:
+        command = " ".join(["python -m bench.scale_plans", *(argv if argv is not None else sys.argv[1:])])
+        Path(args.out).write_text(
+            "# flashcp plans of two source trees\n\n"
+            f"Command: `{command}`. Requests: `bench.scale_plans.requests` (module docstring); "
+            "figures of the plans that differ (R as each request sets it).\n\n"
+            + "\n".join(lines) + "\n")
     sys.exit(1 if differ or base.keys() != new.keys() else 0)
 
 

@@ -22,6 +22,7 @@ from planner_service.core.validate import validate_plan
 from planner_service.solvers.baselines import llama3_layout, per_doc_layout, ring_layout
 from planner_service.solvers.flashcp import paper_layout
 from planner_service.solvers.flashcp_bounded import bounded_flashcp_layout
+from planner_service.solvers.gc_pause import paused_gc
 from planner_service.solvers.kv_bound import FIELD as KV_FIELD
 from planner_service.solvers.kv_bound import check_plan
 
@@ -266,6 +267,11 @@ def solve(request: PlanRequest, *, check: bool = True) -> Plan:
     the strategy can meet: ``kv_bound.KvBoundError``) and PlanError if the strategy
     produced an invalid plan (a bug; ``check=False`` skips that self-check).
     """
+    with paused_gc():  # the solve's garbage goes by reference counting (gc_pause.py)
+        return _solve(request, check)
+
+
+def _solve(request: PlanRequest, check: bool) -> Plan:
     strategy = checked_strategy(request)
     doc_lengths, truncated = request.packed()
     layout = strategy.solver(doc_lengths, request)

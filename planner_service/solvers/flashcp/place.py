@@ -20,16 +20,24 @@ R x mean) costs O(N log N) for its zigzag width (m = 2 .. ``LINEAR_WIDTHS`` one 
 then a geometric grid of ``WIDTH_GROWTH``, each checked in O(N)), so O(N^2 log N) over a
 request in the worst case, and O(N) to cut it. ``finish``: ``refine.exchange``.
 
-On N <= ``REFRESH`` ranks the heap yields the rank of least current key, so runs of at
-least ``RUN_MIN`` equal docs (many short docs) are placed in blocks by ``place_run``,
-O(N) numpy work per doc instead of heap steps in Python.
+Runs of at least ``runs.RUN_MIN`` equal docs (many short docs) go in blocks
+(``runs.py``). On N <= ``REFRESH`` ranks, where the heap yields the rank of least current
+key, ``runs.place_run`` places them as the heap would, O(N) numpy work per doc. On more
+ranks the density changes from doc to doc along a run, every stored key goes stale and
+the heap would spend its ``REFRESH`` steps on most docs and still be inexact;
+``runs.place_run_exact`` places them by the exact rule (least current key, lowest rank on
+ties): O((K + N) log(K + N)) per block of K docs where its blocks pass their check, O(N)
+per doc where they do not (ranks whose keys cross as the density falls). A run stops
+short at a doc no rank takes whole; the heap goes on from there, and the run is tried
+again after ``runs.RUN_RETRY`` docs (on more than ``REFRESH`` ranks, twice as many at
+each try: at most log D tries of O(N + K) per run).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Sequence
-from itertools import islice, repeat
+from itertools import islice
 
 import numpy as np
 
@@ -39,9 +47,19 @@ from planner_service.solvers.flashcp.nested import nested_zigzag
 from planner_service.solvers.flashcp.paper import split_spill
 from planner_service.solvers.flashcp.ranks import Ranks, new_shard, zigzag
 from planner_service.solvers.flashcp.refine import exchange
+from planner_service.solvers.flashcp.runs import (
+    EXACT,
+    RUN_MIN,
+    RUN_RETRY,
+    place_run,
+    place_run_exact,
+    run_heads,
+)
 
 REFRESH = 8
 """Stale heap tops refreshed per doc before the top is taken (every rank at N <= 8)."""
+REBUILD_ARRAYS = 64
+"""Ranks above which ``place`` computes a rebuilt heap's keys in numpy."""
 LINEAR_WIDTHS = 16
 """Zigzag widths tried one by one; wider ones on a geometric grid."""
 WIDTH_GROWTH = 1.25
@@ -93,23 +111,33 @@ def place(
     heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
     def rebuild() -> None:
-        heap[:] = [(work[r] - tokens[r] * density, r, version[r]) for r in range(n)]
+        if n > REBUILD_ARRAYS:  # the same keys (float64 either way), from arrays
+            keys = np.array(work, dtype=np.int64) - np.array(tokens, dtype=np.int64) * density
+            heap[:] = zip(keys.tolist(), range(n), version, strict=True)
+        else:
+            heap[:] = [(work[r] - tokens[r] * density, r, version[r]) for r in range(n)]
         heapq.heapify(heap)
         parked.clear()
 
-    # Long runs of equal docs on few ranks go by ``place_run``: docs -> (position in
-    # ``order``, docs left in its run) for the docs where it is tried next.
-    heads = run_heads(doc_lengths if lengths is None else lengths, order) if (
-        n <= REFRESH and total_work < EXACT) else {}
+    # Long runs of equal docs go in blocks (``runs.py``): by ``place_run`` on few ranks,
+    # where the heap is exact, else by ``place_run_exact``. docs -> (position in
+    # ``order``, docs left in its run, tries so far) for the docs where it is tried next.
+    heads = {doc: (at, left, 0) for doc, (at, left) in run_heads(
+        doc_lengths if lengths is None else lengths, order).items()} if total_work < EXACT else {}
+    run_placement = place_run if n <= REFRESH else place_run_exact
     docs = iter(order)
     for doc in docs:
         if heads and doc in heads:
-            at, left = heads.pop(doc)
-            placed, changed, rest_tokens, rest_work, last = place_run(
+            at, left, tries = heads.pop(doc)
+            placed, changed, rest_tokens, rest_work, last = run_placement(
                 doc_lengths[doc], order[at:at + left], ranks, allowed, rest_tokens, rest_work)
-            if left - placed - RUN_RETRY >= RUN_MIN:  # stopped short: tried again later
-                heads[order[at + placed + RUN_RETRY]] = (at + placed + RUN_RETRY,
-                                                         left - placed - RUN_RETRY)
+            # Stopped short (a doc no rank takes whole): tried again after some docs one by
+            # one (on many ranks, twice as many at each try: tries placing nothing, as
+            # when no rank has room left, cost O(N + K) each, log D of them per run).
+            gap = RUN_RETRY if n <= REFRESH else RUN_RETRY << tries
+            if left - placed - gap >= RUN_MIN:
+                heads[order[at + placed + gap]] = (at + placed + gap, left - placed - gap,
+                                                   tries + 1)
             if placed:
                 density = last
                 for r in changed:
@@ -242,134 +270,6 @@ def mirrored(mirror: tuple[np.ndarray, np.ndarray] | None, work: list[int], toke
         work_f[touched] = np.array([work[r] for r in touched], dtype=np.int64)
         tokens_f[touched] = np.array([tokens[r] for r in touched], dtype=np.int64)
     return mirror
-
-
-EXACT = 1 << 53
-"""Total workload below which int64 figures convert to float64 exactly (``place_run``)."""
-RUN_MIN = 64
-"""Equal docs in a row from which ``place`` places them by ``place_run``."""
-RUN_RETRY = 64
-"""Docs of a run placed one by one after ``place_run`` stops short, before it is tried
-again."""
-RUN_BLOCK = (64, 4096)
-"""Smallest and largest block of docs ``place_run`` checks at once."""
-
-
-def run_heads(doc_lengths: Sequence[int] | np.ndarray,
-              order: Sequence[int]) -> dict[int, tuple[int, int]]:
-    """The first doc of every run of at least ``RUN_MIN`` equal lengths in ``order``:
-    doc -> (its position in ``order``, the run's length); none on fewer than 4 x
-    ``RUN_MIN`` docs (one by one, they take little time). O(D) in numpy."""
-    if len(order) < 4 * RUN_MIN:
-        return {}
-    lengths = np.asarray(doc_lengths, dtype=np.int64)[np.asarray(order, dtype=np.int64)]
-    starts = np.flatnonzero(np.concatenate(([True], lengths[1:] != lengths[:-1])))
-    sizes = np.diff(np.append(starts, len(lengths)))
-    long = sizes >= RUN_MIN
-    return {order[at]: (at, size) for at, size in zip(starts[long].tolist(), sizes[long].tolist(),
-                                                      strict=True)}
-
-
-def place_run(
-    length: int, docs: Sequence[int], ranks: Ranks, allowed: float, rest_tokens: int,
-    rest_work: int,
-) -> tuple[int, list[int], int, int, float]:
-    """Place a leading part of a run of equal docs (each ``length`` tokens, in order) as
-    ``place``'s loop would on N <= ``REFRESH`` ranks, where it takes for each doc the rank
-    with room of the least key work - tokens x density (ties: the lowest rank), whole if
-    that rank stays within ``allowed``. Returns (docs placed, the ranks given docs, the
-    tokens and workload left unplaced, the density after the last doc placed).
-
-    Blocks of docs at once (all figures exact: the workload is below ``EXACT``): the ranks
-    are predicted as if the density stayed at the block's first (``run_ranks``), then every
-    doc's rank is checked by the keys of all ranks given the predicted ranks before it;
-    the docs up to the first miss are placed, and the miss itself by the keys checked. It
-    stops at a doc no rank can take whole (left to ``place``'s loop) or when checks miss
-    early (``RUN_BLOCK``'s smallest block). O(K N) per block of K docs, in numpy."""
-    n = len(ranks.work)
-    doc_work = length * (length + 1) // 2
-    cap, shards, tokens, work = ranks.capacity, ranks.shards, ranks.tokens, ranks.work
-    state_work = np.array(work, dtype=np.int64)
-    state_tokens = np.array(tokens, dtype=np.int64)
-    placed, block, density = 0, RUN_BLOCK[0], 0.0
-    changed: set[int] = set()
-    while placed < len(docs):
-        k = min(block, len(docs) - placed)
-        # The density after each doc of the block, as ``place`` computes it (exact: both
-        # sides below 2^53, one rounding).
-        steps = np.arange(1, k + 1, dtype=np.int64)
-        left_tokens, left_work = rest_tokens - steps * length, rest_work - steps * doc_work
-        densities = np.zeros(k)
-        some = left_tokens > 0
-        densities[some] = left_work[some] / left_tokens[some]
-        predicted = run_ranks(state_work, state_tokens, cap, length, doc_work,
-                              float(densities[0]), k)
-        # Work and tokens of every rank before each doc, given the predicted ranks.
-        given = np.zeros((k, n), dtype=np.int64)
-        given[np.arange(k), predicted] = 1
-        before = np.cumsum(given, axis=0) - given
-        work_before = state_work + before * doc_work
-        tokens_before = state_tokens + before * length
-        keys = work_before.astype(np.float64) - tokens_before.astype(np.float64) * densities[:, None]
-        room = tokens_before <= cap - length
-        keys[~room] = np.inf
-        best = keys.argmin(axis=1)
-        rows = np.arange(k)
-        whole = room[rows, best] & (work_before[rows, best] + doc_work <= allowed)
-        missed = np.flatnonzero(~whole | (best != predicted))
-        if not len(missed):
-            count, stop = k, False
-        elif whole[missed[0]]:  # mispredicted: its rank is the one checked (all before hit)
-            count, stop = int(missed[0]) + 1, False
-        else:  # no rank takes it whole
-            count, stop = int(missed[0]), True
-        if count:
-            chosen = best[:count]
-            block_docs = np.asarray(docs[placed:placed + count], dtype=np.int64)
-            for r in np.unique(chosen).tolist():
-                mine = block_docs[chosen == r].tolist()
-                shards[r].extend(map(new_shard, repeat(Shard), zip(mine, repeat(0), repeat(length))))
-                tokens[r] += len(mine) * length
-                work[r] += len(mine) * doc_work
-                state_tokens[r] = tokens[r]
-                state_work[r] = work[r]
-                changed.add(r)
-            placed += count
-            rest_tokens -= count * length
-            rest_work -= count * doc_work
-            density = float(densities[count - 1])
-        if stop or count < min(k, RUN_BLOCK[0]):
-            break
-        block = min(2 * block, RUN_BLOCK[1]) if count == k else max(RUN_BLOCK[0], count)
-    return placed, sorted(changed), rest_tokens, rest_work, density
-
-
-def run_ranks(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, doc_work: int,
-              density: float, count: int) -> np.ndarray:
-    """The ranks ``place_run`` expects the next ``count`` equal docs to go to, were the
-    density to stay at ``density``: each doc to the rank of least key work - tokens x
-    density with room, a doc adding doc_work - length x density to its rank's key (the
-    same step for every rank), so the ranks take turns in the order of their keys' offsets
-    modulo that step; with no positive step, the least key takes docs until it is full.
-    Only a prediction (``place_run`` checks it). O(count N) in numpy."""
-    n = len(work)
-    keys = work.astype(np.float64) - tokens.astype(np.float64) * density
-    fits = np.minimum(np.maximum((cap - tokens) // length, 0), count)  # docs each can take
-    step = doc_work - length * density
-    ranks = np.arange(n)
-    with np.errstate(over="ignore", invalid="ignore"):
-        phase = (keys - keys.min()) / step if step > 0 else np.full(n, np.inf)
-    if not np.isfinite(phase).all():
-        by_key = np.lexsort((ranks, keys))
-        out = np.repeat(by_key, fits[by_key])
-    else:
-        lead = np.minimum(np.floor(phase), count).astype(np.int64)  # turns before its first
-        turn = np.lexsort((ranks, phase - np.floor(phase)))
-        level = np.arange(count)[:, None]
-        takes = (lead[turn] <= level) & (level < lead[turn] + fits[turn])
-        out = np.broadcast_to(turn, takes.shape)[takes]
-    out = out[:count]
-    return np.concatenate((out, np.zeros(count - len(out), dtype=np.int64))) if len(out) < count else out
 
 
 def _zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: int,

@@ -1,0 +1,502 @@
+"""Runs of equal docs placed in blocks: ``place.place``'s rule for a run of many docs of
+one length (L tokens, w = L (L + 1) / 2 work each) at once, as it would place them one by
+one. Each doc goes to the rank with room of least key work - tokens x d (d: the density of
+the docs left after it, ``place``'s figure), ties to the lowest rank, whole if that rank
+stays within the allowed workload; the run stops at the first doc that rank cannot take
+(``place``'s loop takes it on). All figures are exact in float64: the request's workload
+is below ``EXACT``.
+
+``run_heads`` finds the runs of at least ``RUN_MIN`` docs, O(D). Two block placements:
+
+- ``place_run``, on N <= ``place.REFRESH`` ranks (where ``place``'s heap yields the least
+  key, so both agree): ranks predicted at a constant density (``run_ranks``), every doc
+  checked against the keys of all ranks. O(K N) per block of K docs, in numpy.
+- ``place_run_exact``, on more ranks, where ``place``'s heap refreshes only ``REFRESH``
+  stale keys per doc and so is inexact while the density changes from doc to doc: the
+  least-key rule itself, without checking every rank per doc. A rank's key before its
+  (j + 1)-th doc of the run is A - B d with A = work + j w and B = tokens + j L: a line in
+  d, and each doc it takes adds s = w - L d.
+
+  * Flat (d = h = (L + 1) / 2, so w = L d: every doc left has length L): taking a doc
+    leaves a rank's key unchanged, exactly so in float64 (``FLAT_LIMIT``). The ranks
+    with room, by key (ties: lowest rank), each take docs until their room runs out; the
+    first whose allowance runs out before its room stops the run. O(N log N + K).
+  * Sloped (every d of the block below h: s > 0, so a rank's key rises with each doc
+    it takes): the K docs of a block are predicted as the K least keys at the block's
+    first density among every rank's next docs (``predicted``), then certified
+    (``sloped_block``): the sequence of the predicted docs followed by each rank's next
+    doc after the block must be in order (key, then rank) at every density of the
+    block. Two neighbours are checked (``certified``; order is transitive): their key
+    difference is linear in d, so it must exceed a margin that bounds both keys'
+    rounding (``MARGIN``) at the block's least and greatest density; or both are the
+    same (work, tokens) state, whose keys are equal bit for bit, lower rank first. At
+    the i-th doc every rank's next doc lies at or after the i-th predicted doc in that
+    sequence, so the predicted rank has the least key (the lowest rank among equal
+    keys) at the doc's density: the rule. From empty ranks, or ranks holding docs of
+    the run's length only (a round robin), blocks pass. Where the ranks' token counts
+    differ widely, keys of ranks cross as d falls, and a block across a crossing fails:
+    it is halved, and below ``RUN_BLOCK[0]`` docs the next docs go one at a time.
+    O((K + N) log(K + N)) per block.
+  * One at a time (``single_steps``: after failed blocks, for densities above h, which
+    only orders other than longest first give, and for flat keys too large for float64
+    to hold exactly): every rank's key, the least taken, O(N) per doc in numpy.
+
+  The run ends only where the rule ends it: at a doc no rank takes whole (its rank of
+  least key has no room or would pass the allowed workload), which ``place``'s loop then
+  spills or splits. ``place_run_reference`` is the rule doc by doc, O(K N) in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import repeat
+from typing import NamedTuple
+
+import numpy as np
+
+from planner_service.core.plan import Shard
+from planner_service.solvers.flashcp.ranks import Ranks, new_shard
+
+EXACT = 1 << 53
+"""Total workload below which int64 figures convert to float64 exactly (both placements)."""
+RUN_MIN = 64
+"""Equal docs in a row from which ``place`` places them in blocks."""
+RUN_RETRY = 64
+"""Docs of a run placed one by one after a block placement stops short, before it is
+tried again (on more than ``place.REFRESH`` ranks, doubled at each try)."""
+RUN_BLOCK = (64, 4096)
+"""Smallest and largest block of docs ``place_run`` checks at once; the smallest block
+``place_run_exact`` certifies, and the fewest and most docs it places one at a time
+before trying blocks again."""
+EXACT_BLOCK = 1 << 16
+"""Largest block ``place_run_exact`` certifies at once."""
+FLAT_LIMIT = 1 << 51
+"""Bound on workloads and on tokens x (L + 1) under which flat keys work - tokens x
+(L + 1) / 2 are exact in float64 (half-integers below 2^52)."""
+MARGIN = 2.0 ** -50
+"""Relative bound of a certified key difference's rounding: the two keys A - B d carry
+at most 2^-53 (|A| + 3 |B d|) each, the difference of A and B d at the block's ends
+2^-53 (3 |A| + 2 |B d|); 2^-50 (max |A| + max |B| d + 1) covers their sum."""
+
+
+class RunPlaced(NamedTuple):
+    """What a block placement did."""
+
+    placed: int
+    """Leading docs of the run placed (whole)."""
+    changed: list[int]
+    """Ranks given docs, ascending."""
+    rest_tokens: int
+    """Tokens of the docs not yet placed (this run's and later ones)."""
+    rest_work: int
+    """Their workload."""
+    density: float
+    """The density after the last doc placed (``place``'s figure; 0.0 if none)."""
+
+
+def run_heads(doc_lengths: Sequence[int] | np.ndarray,
+              order: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """The first doc of every run of at least ``RUN_MIN`` equal lengths in ``order``:
+    doc -> (its position in ``order``, the run's length); none on fewer than 4 x
+    ``RUN_MIN`` docs (one by one, they take little time). O(D) in numpy."""
+    if len(order) < 4 * RUN_MIN:
+        return {}
+    lengths = np.asarray(doc_lengths, dtype=np.int64)[np.asarray(order, dtype=np.int64)]
+    starts = np.flatnonzero(np.concatenate(([True], lengths[1:] != lengths[:-1])))
+    sizes = np.diff(np.append(starts, len(lengths)))
+    long = sizes >= RUN_MIN
+    return {order[at]: (at, size) for at, size in zip(starts[long].tolist(), sizes[long].tolist(),
+                                                      strict=True)}
+
+
+def place_run(
+    length: int, docs: Sequence[int], ranks: Ranks, allowed: float, rest_tokens: int,
+    rest_work: int,
+) -> RunPlaced:
+    """Place a leading part of a run of equal docs (each ``length`` tokens, in order) as
+    ``place``'s loop would on N <= ``REFRESH`` ranks, where it takes for each doc the rank
+    with room of the least key work - tokens x density (ties: the lowest rank), whole if
+    that rank stays within ``allowed``. Returns (docs placed, the ranks given docs, the
+    tokens and workload left unplaced, the density after the last doc placed).
+
+    Blocks of docs at once (all figures exact: the workload is below ``EXACT``): the ranks
+    are predicted as if the density stayed at the block's first (``run_ranks``), then every
+    doc's rank is checked by the keys of all ranks given the predicted ranks before it;
+    the docs up to the first miss are placed, and the miss itself by the keys checked. It
+    stops at a doc no rank can take whole (left to ``place``'s loop) or when checks miss
+    early (``RUN_BLOCK``'s smallest block). O(K N) per block of K docs, in numpy."""
+    n = len(ranks.work)
+    doc_work = length * (length + 1) // 2
+    cap, shards, tokens, work = ranks.capacity, ranks.shards, ranks.tokens, ranks.work
+    state_work = np.array(work, dtype=np.int64)
+    state_tokens = np.array(tokens, dtype=np.int64)
+    placed, block, density = 0, RUN_BLOCK[0], 0.0
+    changed: set[int] = set()
+    while placed < len(docs):
+        k = min(block, len(docs) - placed)
+        # The density after each doc of the block, as ``place`` computes it (exact: both
+        # sides below 2^53, one rounding).
+        steps = np.arange(1, k + 1, dtype=np.int64)
+        left_tokens, left_work = rest_tokens - steps * length, rest_work - steps * doc_work
+        densities = np.zeros(k)
+        some = left_tokens > 0
+        densities[some] = left_work[some] / left_tokens[some]
+        predicted = run_ranks(state_work, state_tokens, cap, length, doc_work,
+                              float(densities[0]), k)
+        # Work and tokens of every rank before each doc, given the predicted ranks.
+        given = np.zeros((k, n), dtype=np.int64)
+        given[np.arange(k), predicted] = 1
+        before = np.cumsum(given, axis=0) - given
+        work_before = state_work + before * doc_work
+        tokens_before = state_tokens + before * length
+        keys = work_before.astype(np.float64) - tokens_before.astype(np.float64) * densities[:, None]
+        room = tokens_before <= cap - length
+        keys[~room] = np.inf
+        best = keys.argmin(axis=1)
+        rows = np.arange(k)
+        whole = room[rows, best] & (work_before[rows, best] + doc_work <= allowed)
+        missed = np.flatnonzero(~whole | (best != predicted))
+        if not len(missed):
+            count, stop = k, False
+        elif whole[missed[0]]:  # mispredicted: its rank is the one checked (all before hit)
+            count, stop = int(missed[0]) + 1, False
+        else:  # no rank takes it whole
+            count, stop = int(missed[0]), True
+        if count:
+            chosen = best[:count]
+            block_docs = np.asarray(docs[placed:placed + count], dtype=np.int64)
+            for r in np.unique(chosen).tolist():
+                mine = block_docs[chosen == r].tolist()
+                shards[r].extend(map(new_shard, repeat(Shard), zip(mine, repeat(0), repeat(length))))
+                tokens[r] += len(mine) * length
+                work[r] += len(mine) * doc_work
+                state_tokens[r] = tokens[r]
+                state_work[r] = work[r]
+                changed.add(r)
+            placed += count
+            rest_tokens -= count * length
+            rest_work -= count * doc_work
+            density = float(densities[count - 1])
+        if stop or count < min(k, RUN_BLOCK[0]):
+            break
+        block = min(2 * block, RUN_BLOCK[1]) if count == k else max(RUN_BLOCK[0], count)
+    return RunPlaced(placed, sorted(changed), rest_tokens, rest_work, density)
+
+
+def run_ranks(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, doc_work: int,
+              density: float, count: int) -> np.ndarray:
+    """The ranks ``place_run`` expects the next ``count`` equal docs to go to, were the
+    density to stay at ``density``: each doc to the rank of least key work - tokens x
+    density with room, a doc adding doc_work - length x density to its rank's key (the
+    same step for every rank), so the ranks take turns in the order of their keys' offsets
+    modulo that step; with no positive step, the least key takes docs until it is full.
+    Only a prediction (``place_run`` checks it). O(count N) in numpy."""
+    n = len(work)
+    keys = work.astype(np.float64) - tokens.astype(np.float64) * density
+    fits = np.minimum(np.maximum((cap - tokens) // length, 0), count)  # docs each can take
+    step = doc_work - length * density
+    ranks = np.arange(n)
+    with np.errstate(over="ignore", invalid="ignore"):
+        phase = (keys - keys.min()) / step if step > 0 else np.full(n, np.inf)
+    if not np.isfinite(phase).all():
+        by_key = np.lexsort((ranks, keys))
+        out = np.repeat(by_key, fits[by_key])
+    else:
+        lead = np.minimum(np.floor(phase), count).astype(np.int64)  # turns before its first
+        turn = np.lexsort((ranks, phase - np.floor(phase)))
+        level = np.arange(count)[:, None]
+        takes = (lead[turn] <= level) & (level < lead[turn] + fits[turn])
+        out = np.broadcast_to(turn, takes.shape)[takes]
+    out = out[:count]
+    return np.concatenate((out, np.zeros(count - len(out), dtype=np.int64))) if len(out) < count else out
+
+
+
+def run_densities(length: int, count: int, rest_tokens: int, rest_work: int) -> np.ndarray:
+    """The density after each of the next ``count`` docs of ``length`` tokens, as ``place``
+    computes it (the docs left's workload / tokens, 0.0 once none is left; exact: both
+    below 2^53, one rounding). O(count) in numpy."""
+    steps = np.arange(1, count + 1, dtype=np.int64)
+    left_tokens = rest_tokens - steps * length
+    left_work = rest_work - steps * (length * (length + 1) // 2)
+    out = np.zeros(count)
+    some = left_tokens > 0
+    out[some] = left_work[some] / left_tokens[some]
+    return out
+
+
+def place_run_exact(
+    length: int, docs: Sequence[int], ranks: Ranks, allowed: float, rest_tokens: int,
+    rest_work: int,
+) -> RunPlaced:
+    """Place a leading part of a run of equal docs (each ``length`` tokens, in order) by
+    the least-key rule (module docstring): the same docs to the same ranks as
+    ``place_run_reference``, stopping at the same doc (one no rank takes whole).
+
+    Flat docs go in one block; sloped docs in blocks of K, from ``RUN_BLOCK[0]`` docs,
+    doubled after a block passes its check and halved after one fails; below
+    ``RUN_BLOCK[0]`` (and for densities above (L + 1) / 2: not a longest-first order),
+    docs go one at a time (``single_steps``), ``RUN_BLOCK[0]`` of them before blocks
+    are tried again, twice as many after each block that fails in a row. O((K + N)
+    log(K + N)) per block of K docs, O(N) per doc one at a time, O(N + K) to start and
+    to add the shards."""
+    n = len(ranks.work)
+    doc_work = length * (length + 1) // 2
+    cap = ranks.capacity
+    work = np.array(ranks.work, dtype=np.int64)
+    tokens = np.array(ranks.tokens, dtype=np.int64)
+    densities = run_densities(length, len(docs), rest_tokens, rest_work)
+    half = (length + 1) / 2
+    flat_exact = (int(work.max(initial=0)) + len(docs) * doc_work < FLAT_LIMIT
+                  and cap * (length + 1) < FLAT_LIMIT)
+    picks: list[np.ndarray] = []
+    placed, block, steps, burst = 0, RUN_BLOCK[0], 0, RUN_BLOCK[0]
+    while placed < len(docs):
+        rest = densities[placed:]
+        if rest[0] == half and flat_exact:
+            count = int(np.argmin(rest == half)) if not (rest == half).all() else len(rest)
+            chosen, stop = flat_block(work, tokens, cap, length, allowed, half, count)
+        elif rest[0] < half and not steps:
+            # The sloped docs of the block: every density below h.
+            span = rest[:block]
+            count = int(np.argmin(span < half)) if not (span < half).all() else len(span)
+            found = sloped_block(work, tokens, cap, length, allowed, span[:count])
+            if found is None:  # not certified: a smaller block, or docs one at a time
+                if block // 2 >= RUN_BLOCK[0]:
+                    block //= 2
+                else:
+                    steps, burst = burst, min(2 * burst, RUN_BLOCK[1])
+                continue
+            chosen, stop = found
+            block, burst = min(2 * block, EXACT_BLOCK), RUN_BLOCK[0]
+        else:  # one at a time: after a failed block, above h, or flat keys that would round
+            count = min(steps or RUN_BLOCK[1], len(rest))
+            chosen, stop = single_steps(work, tokens, cap, length, allowed, rest[:count])
+            steps = max(0, steps - count)
+        if len(chosen):
+            given = np.bincount(chosen, minlength=n)
+            work += given * doc_work
+            tokens += given * length
+            picks.append(chosen)
+            placed += len(chosen)
+        if stop:
+            break
+    if not placed:
+        return RunPlaced(0, [], rest_tokens, rest_work, 0.0)
+    changed = add_run(ranks, np.concatenate(picks), docs[:placed], length)
+    return RunPlaced(placed, changed, rest_tokens - placed * length,
+                     rest_work - placed * doc_work, float(densities[placed - 1]))
+
+
+def single_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
+                 densities: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The ranks of the next docs (one per density) by the rule one doc at a time: the
+    least key work - tokens x d (float64, as ``place`` computes it: both figures exact
+    below 2^53; ties: the lowest rank, ``np.argmin``'s first) among the ranks with room;
+    (ranks, stopped at a doc no rank takes whole). O(N) per doc, in numpy."""
+    doc_work = length * (length + 1) // 2
+    heavy = work.astype(np.float64)
+    long = tokens.astype(np.float64)
+    barred = np.where(tokens <= cap - length, 0.0, np.inf)  # inf: no room
+    keys = np.empty(len(work))
+    chosen: list[int] = []
+    for density in densities.tolist():
+        np.multiply(long, density, out=keys)
+        np.subtract(heavy, keys, out=keys)
+        keys += barred  # x + 0.0 is x: the keys of ranks with room stay as computed
+        r = int(keys.argmin())
+        if barred[r] or heavy[r] + doc_work > allowed:
+            return np.array(chosen, dtype=np.int64), True
+        chosen.append(r)
+        heavy[r] += doc_work
+        long[r] += length
+        if long[r] > cap - length:
+            barred[r] = np.inf
+    return np.array(chosen, dtype=np.int64), False
+
+
+def add_run(ranks: Ranks, chosen: np.ndarray, docs: Sequence[int], length: int) -> list[int]:
+    """Add doc ``docs[i]`` whole to rank ``chosen[i]`` for every i, in order; the ranks
+    given docs, ascending. O(K log K + N)."""
+    given = np.bincount(chosen)
+    changed = np.flatnonzero(given).tolist()
+    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    if len(chosen) < 4 * len(changed):  # few docs per rank: one by one
+        for doc, r in zip(docs, chosen.tolist(), strict=True):
+            shards[r].append(new_shard(Shard, (doc, 0, length)))
+    else:  # the docs grouped by rank, in order (a stable sort), one extend per rank
+        held = np.asarray(docs, dtype=np.int64)[np.argsort(chosen, kind="stable")].tolist()
+        at = 0
+        for r, count in zip(changed, given[changed].tolist(), strict=True):
+            shards[r].extend(map(new_shard, repeat(Shard),
+                                 zip(held[at:at + count], repeat(0), repeat(length))))
+            at += count
+    doc_work = length * (length + 1) // 2
+    for r, count in zip(changed, given[changed].tolist(), strict=True):
+        tokens[r] += count * length
+        work[r] += count * doc_work
+    return changed
+
+
+def allowances(work: np.ndarray, doc_work: int, allowed: float, most: np.ndarray) -> np.ndarray:
+    """Per rank, the most docs of ``doc_work`` it can take within ``allowed``, at most
+    ``most`` (compared exactly: int64 figures below 2^53 convert to float64 exactly)."""
+    estimate = np.floor((allowed - work.astype(np.float64)) / doc_work)
+    count = np.clip(estimate, 0, most).astype(np.int64)
+    over = (count > 0) & (work + count * doc_work > allowed)
+    count[over] -= 1
+    under = (count < most) & (work + (count + 1) * doc_work <= allowed)
+    count[under] += 1
+    return count
+
+
+def flat_block(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
+               half: float, count: int) -> tuple[np.ndarray, bool]:
+    """The ranks of the next ``count`` docs at density (L + 1) / 2, where a rank's key
+    work - tokens x d stays the same as it takes docs: by key (ties: lowest rank), each
+    rank with room takes docs until full; the first whose allowance ends first stops the
+    run. (ranks, stopped short). O(N log N + count)."""
+    doc_work = length * (length + 1) // 2
+    fits = (cap - tokens) // length
+    active = np.flatnonzero(fits > 0)
+    if not len(active):
+        return np.zeros(0, dtype=np.int64), True
+    keys = work[active].astype(np.float64) - tokens[active].astype(np.float64) * half
+    by_key = active[np.lexsort((active, keys))]
+    room = fits[by_key]
+    allow = allowances(work[by_key], doc_work, allowed, room)
+    short = np.flatnonzero(allow < room)
+    last = int(short[0]) + 1 if len(short) else len(by_key)  # ranks up to the stopper
+    takes = np.minimum(room, allow)[:last]
+    chosen = np.repeat(by_key[:last], takes)
+    return chosen[:count], len(chosen) < count
+
+
+def sloped_block(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
+                 densities: np.ndarray) -> tuple[np.ndarray, bool] | None:
+    """The ranks of the next docs (one per density, every density below (L + 1) / 2),
+    predicted and certified (module docstring); (ranks, stopped short), or None if the
+    prediction is not certified. O((K + N) log(K + N))."""
+    doc_work = length * (length + 1) // 2
+    fits = np.maximum((cap - tokens) // length, 0)
+    count = min(len(densities), int(fits.sum()))
+    if not count:
+        return np.zeros(0, dtype=np.int64), True
+    if not doc_work - length * float(densities[0]) > 0:
+        return None  # keys too close to flat for the prediction's phases
+    rank, heavy, long = predicted(work, tokens, fits, length, float(densities[0]), count)
+    given = np.bincount(rank, minlength=len(work))
+    # Each rank's docs in the block are its next ones, in order.
+    by_rank = np.argsort(rank, kind="stable")
+    ends = np.cumsum(given)
+    nth = np.arange(count) - np.repeat(ends - given, given)
+    if not np.array_equal((heavy[by_rank] - work[rank[by_rank]]) // doc_work, nth):
+        return None
+    # Each rank's next doc after the block, if it has room for one.
+    after = np.flatnonzero(given < fits)
+    after_heavy = work[after] + given[after] * doc_work
+    after_long = tokens[after] + given[after] * length
+    low, high = float(densities.min()), float(densities.max())
+    most = max(int(heavy.max()), int(after_heavy.max(initial=0)))
+    margin = MARGIN * (most + cap * high + 1)
+    if not (certified(heavy[:-1], long[:-1], rank[:-1], heavy[1:], long[1:], rank[1:],
+                      low, high, margin).all()
+            and certified(heavy[-1], long[-1], rank[-1], after_heavy, after_long, after,
+                          low, high, margin).all()):
+        return None
+    within = heavy + doc_work <= allowed
+    if not within.all():
+        return rank[:int(np.argmin(within))], True
+    return rank, count < len(densities)
+
+
+def certified(first_heavy: np.ndarray | np.int64, first_long: np.ndarray | np.int64,
+              first_rank: np.ndarray | np.int64, heavy: np.ndarray, long: np.ndarray,
+              rank: np.ndarray, low: float, high: float, margin: float) -> np.ndarray:
+    """Per pair of docs (one placed before the other, keys A - B d with A = ``heavy``, B =
+    ``long``): the first's key is below the second's by more than ``margin`` at both
+    densities ``low`` and ``high`` (so at every density between: the difference is linear
+    in d), or both have the same A and B (keys equal bit for bit) and the first the lower
+    rank."""
+    d_heavy = (heavy - first_heavy).astype(np.float64)
+    d_long = (long - first_long).astype(np.float64)
+    apart = (d_heavy - d_long * low > margin) & (d_heavy - d_long * high > margin)
+    return apart | ((heavy == first_heavy) & (long == first_long) & (rank > first_rank))
+
+
+def predicted(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, length: int,
+              density: float, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``count`` docs of least key at ``density`` among every rank's next docs (the
+    j-th, j < its room in docs, keyed A - B x density with A = work + j w, B = tokens +
+    j L), in key order (ties: lowest rank, then j): their (ranks, A, B).
+
+    Keys rise by s = w - L x density > 0 per doc, so a rank's j-th doc comes at time
+    phase + j, phase = (its key - the least key) / s. The least whole level m with
+    ``count`` docs at times <= m is found by bisection; the docs at times <= m - 1 are
+    fewer, and the band (m - 1, m] holds one doc per rank at most: the time t at which
+    ``count`` docs are reached is found among the band's (np.partition), and the docs
+    at times <= t (plus a tolerance for rounding) are sorted by their keys themselves,
+    so docs of equal keys go lowest rank first whatever their times' rounding. O(N log(count + phase spread) + count
+    log count)."""
+    doc_work = length * (length + 1) // 2
+    active = np.flatnonzero(fits)
+    room = fits[active]
+    keys = work[active].astype(np.float64) - tokens[active].astype(np.float64) * density
+    step = doc_work - length * density
+    phase = (keys - keys.min()) / step
+
+    def docs_by(level: float) -> np.ndarray:
+        return np.clip(np.floor(level - phase) + 1, 0, room).astype(np.int64)
+
+    low, high = -1.0, float(max(1, count // len(active)))
+    while docs_by(high).sum() < count:
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        if docs_by(mid).sum() < count:
+            low = mid
+        else:
+            high = mid
+    below = docs_by(high - 1)
+    band = np.flatnonzero(docs_by(high) > below)
+    times = phase[band] + below[band]
+    need = count - int(below.sum())
+    cut = float(np.partition(times, need - 1)[need - 1])
+    tolerance = 1e-6 + 1e-9 * (float(np.abs(keys).max()) + 1) / step
+    each = docs_by(cut + tolerance)
+    rank = np.repeat(active, each)
+    nth = np.arange(len(rank)) - np.repeat(np.cumsum(each) - each, each)
+    heavy = work[rank] + nth * doc_work
+    long = tokens[rank] + nth * length
+    key = heavy.astype(np.float64) - long.astype(np.float64) * density
+    first = np.lexsort((nth, rank, key))[:count]
+    return rank[first], heavy[first], long[first]
+
+
+def place_run_reference(
+    length: int, docs: Sequence[int], ranks: Ranks, allowed: float, rest_tokens: int,
+    rest_work: int,
+) -> RunPlaced:
+    """``place_run_exact``'s rule doc by doc, every rank scanned: each doc to the rank
+    with room of least key work - tokens x density (ties: lowest rank), if it stays within
+    ``allowed``; else stop. O(K N)."""
+    n = len(ranks.work)
+    doc_work = length * (length + 1) // 2
+    cap, tokens, work = ranks.capacity, ranks.tokens, ranks.work
+    placed, density, changed = 0, 0.0, set()
+    for doc in docs:
+        left_tokens, left_work = rest_tokens - length, rest_work - doc_work
+        at = left_work / left_tokens if left_tokens else 0.0
+        best, best_key = -1, float("inf")
+        for r in range(n):
+            if tokens[r] <= cap - length:
+                key = work[r] - tokens[r] * at
+                if key < best_key:
+                    best, best_key = r, key
+        if best < 0 or work[best] + doc_work > allowed:
+            break
+        ranks.add(best, doc, 0, length)
+        changed.add(best)
+        rest_tokens, rest_work, density = left_tokens, left_work, at
+        placed += 1
+    return RunPlaced(placed, sorted(changed), rest_tokens, rest_work, density)
