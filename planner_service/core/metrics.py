@@ -14,6 +14,7 @@ from planner_service.core.profiles import get_kernel_profile, get_link_profile
 from planner_service.core.step_time import (
     attention_tiles_of,
     attention_tiles_per_shard,
+    execution_path,
     group_steps,
     held_kv_mode,
     rank_step,
@@ -53,6 +54,7 @@ def group_metrics_of(
     n = len(shards_per_rank)
     kernel_profile, link_profile = get_kernel_profile(kernel), get_link_profile(link)
     counts = np.fromiter(map(len, shards_per_rank), dtype=np.int64, count=n)
+    per_shard: np.ndarray | None
     if arrays is None:
         tokens = [sum(s.end - s.start for s in rank) for rank in shards_per_rank]
         workloads = cost.rank_workloads(shards_per_rank)
@@ -71,13 +73,15 @@ def group_metrics_of(
         tokens = cost.per_rank_sums(lengths, arrays.bounds).tolist()
         workloads = cost.rank_workloads_of(arrays)
         volumes, _, split_docs = cost.comm_volumes_of(arrays)
+        # Segment tiles of whole shards: only the gathered path's kernel runs those.
         per_shard = attention_tiles_of(arrays.start, lengths, kernel_profile.tile_q,
-                                       kernel_profile.tile_k)
+                                       kernel_profile.tile_k) if execution_path(
+            kernel_profile, comm_mode) == "gathered" else None
         bounds = arrays.bounds
     tokens_per_rank = max(t + p for t, p in zip(tokens, padding, strict=True))
     full = cost.full_exchange_tokens(n, tokens_per_rank)
     recv = cost.recv_tokens_by_mode(comm_mode, volumes, tokens_per_rank)
-    tiles = cost.per_rank_sums(per_shard, bounds)
+    tiles = None if per_shard is None else cost.per_rank_sums(per_shard, bounds)
     if arrays is None:
         steps = [
             rank_step(
@@ -89,7 +93,7 @@ def group_metrics_of(
                 model=model,
                 kernel=kernel_profile,
                 link=link_profile,
-                tiles=int(tiles[i]),
+                tiles=None if tiles is None else int(tiles[i]),
                 ring_blocks=[shards_per_rank[(i - s) % n] for s in range(1, n)],
             )
             for i in range(n)
