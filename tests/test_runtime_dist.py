@@ -69,11 +69,12 @@ def fast_options(strategy: str) -> dict:
     return {"time_limit_s": 0.5} if "time_limit_s" in get_strategy(strategy).options else {}
 
 
-def solve_any(lengths: list[int], cp_size: int, strategy: str) -> Plan:
+def solve_any(lengths: list[int], cp_size: int, strategy: str, **profiles: str) -> Plan:
     """The strategy's plan; if it proves the default imbalance target unreachable (ilp),
-    the plan for a loose target instead: the test is about executing plans."""
+    the plan for a loose target instead: the test is about executing plans. ``profiles``:
+    the request's ``kernel`` and ``link`` where the plan's figures must be the runtime's."""
     request = PlanRequest(doc_lengths=lengths, cp_size=cp_size, strategy=strategy, model=MODEL,
-                          options=fast_options(strategy))
+                          options=fast_options(strategy), **profiles)
     try:
         return solve(request)
     except ValueError:
