@@ -149,3 +149,17 @@ def test_serve_help_points_at_the_settings_page() -> None:
     assert result.exit_code == 0, result.output
     assert "docs/settings.md" in result.output and (DOCS / "settings.md").is_file()
     assert "python -m planner_service.service.settings_doc" in result.output
+
+
+@pytest.mark.parametrize("page", [README, ROOT / "docs" / "api.md"], ids=lambda p: p.name)
+def test_the_curl_example_shows_the_plan_that_request_gets(page: Path) -> None:
+    import json
+
+    from planner_service.core.request import PlanRequest
+    from planner_service.solvers.registry import solve
+
+    text = page.read_text()
+    body = json.loads(re.search(r"-d '(\{\"doc_lengths\".*?\})'", text).group(1))
+    plan = solve(PlanRequest(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()}))
+    assert f"x-plan-id: {plan.plan_id}" in text
+    assert f'"est_step_ms":{plan.metrics.est_step_ms:.2f}' in text
