@@ -9,6 +9,7 @@ milliseconds). Plans are solved once in the parent and sent to the ranks as JSON
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -100,6 +101,40 @@ def max_abs(t: torch.Tensor) -> float:
     return t.abs().max().item() if t.numel() else 0.0
 
 
+class Case(NamedTuple):
+    """One plan's global inputs and its dense float64 reference."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    w: torch.Tensor
+    """Weights of the loss ``sum(out * w)``."""
+    ref: torch.Tensor
+    ref_grads: tuple[torch.Tensor, ...]
+    """dq, dk, dv of the reference."""
+
+
+def reference_case(plan: Plan, seed: int) -> Case:
+    q, k, v, w = global_tensors(sum(plan.doc_lengths), seed=seed)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*leaves, plan.doc_lengths)
+    grads = torch.autograd.grad((ref * w).sum(), leaves)
+    return Case(q, k, v, w, ref.detach(), grads)
+
+
+def run_against_reference(attn: ContextParallelAttention, case: Case,
+                          dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, list[float]]:
+    """This rank's forward + backward of ``case`` in ``dtype``: (output, max errors of the
+    output and of dq, dk, dv against the reference)."""
+    local = [attn.dispatch(t.to(dtype)).requires_grad_() for t in (case.q, case.k, case.v)]
+    out = attn(*local)
+    (out * attn.dispatch(case.w.to(dtype))).sum().backward()
+    errors = [max_abs(out - attn.dispatch(case.ref.to(dtype)))]
+    errors += [max_abs(t.grad - attn.dispatch(g.to(dtype)))
+               for t, g in zip(local, case.ref_grads, strict=True)]
+    return out, errors
+
+
 def group_rows(plan: Plan, group_index: int) -> torch.Tensor:
     """Global packed rows of one group's docs."""
     offsets = np.concatenate(([0], np.cumsum(plan.doc_lengths)))
@@ -112,25 +147,17 @@ def equivalence_worker(rank: int, world_size: int, plan_jsons: list[str]) -> dic
     results = {}
     for ci, text in enumerate(plan_jsons):
         plan = Plan.from_json(text)
-        q, k, v, w = global_tensors(sum(plan.doc_lengths), seed=ci)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = reference_attention(*leaves, plan.doc_lengths)
-        ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+        case = reference_case(plan, ci)
         for mode in COMM_MODES:
             attn = ContextParallelAttention(plan, comm_mode=mode)
             for dtype in (torch.float64, torch.float32):
-                local = [attn.dispatch(t.to(dtype)).requires_grad_() for t in (q, k, v)]
                 attn.counter.reset()
-                out = attn(*local)
-                (out * attn.dispatch(w.to(dtype))).sum().backward()
-                errors = [max_abs(out - attn.dispatch(ref.detach().to(dtype)))]
-                errors += [max_abs(t.grad - attn.dispatch(g.to(dtype)))
-                           for t, g in zip(local, ref_grads, strict=True)]
+                out, errors = run_against_reference(attn, case, dtype)
                 if dtype == torch.float64 and attn.layout.group_index >= 0:
                     # undispatch(gather=True) assembles the whole group's output.
                     gathered = attn.undispatch(out.detach(), gather=True)
                     rows = group_rows(plan, attn.layout.group_index)
-                    errors.append(max_abs(gathered[rows] - ref.detach()[rows]))
+                    errors.append(max_abs(gathered[rows] - case.ref[rows]))
                 c = attn.counter
                 results[(ci, mode, str(dtype))] = {
                     "errors": errors,

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from test_runtime_dist import (
     KV_ROW_ELEMS,
     MULTI_GROUPS,
-    global_tensors,
-    max_abs,
     multi_group_plan,
     random_doc_lengths,
+    reference_case,
+    run_against_reference,
     solve_any,
 )
 from timing import scaled
@@ -30,7 +29,6 @@ from worker_runtime import (
     build_layout,
     planned_kv_tokens_peak,
     planned_recv_tokens,
-    reference_attention,
 )
 from worker_runtime.overlap import local_share
 from worker_runtime.testing import run_distributed
@@ -58,17 +56,10 @@ def worker(rank: int, world_size: int, plan_jsons: list[str]) -> dict:
     results = {}
     for ci, text in enumerate(plan_jsons):
         plan = Plan.from_json(text)
-        q, k, v, w = global_tensors(sum(plan.doc_lengths), seed=ci)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = reference_attention(*leaves, plan.doc_lengths)
-        ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+        case = reference_case(plan, ci)
         for mode, overlap in CASES:
             attn = ContextParallelAttention(plan, comm_mode=mode, overlap=overlap)
-            local = [attn.dispatch(t).requires_grad_() for t in (q, k, v)]
-            out = attn(*local)
-            (out * attn.dispatch(w)).sum().backward()
-            errors = [max_abs(out - attn.dispatch(ref.detach()))]
-            errors += [max_abs(t.grad - attn.dispatch(g)) for t, g in zip(local, ref_grads, strict=True)]
+            _, errors = run_against_reference(attn, case)
             c = attn.counter
             results[(ci, mode, overlap)] = {
                 "errors": errors, "bytes": (c.forward_bytes, c.backward_bytes),

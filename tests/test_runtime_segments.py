@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 from test_runtime_dist import (
     KV_ROW_ELEMS,
     MULTI_GROUPS,
-    global_tensors,
     max_abs,
     multi_group_plan,
     random_doc_lengths,
+    reference_case,
+    run_against_reference,
     solve_any,
 )
 from timing import scaled
@@ -341,21 +342,14 @@ def worker(rank: int, world_size: int, plan_jsons: list[str]) -> dict:
     kern = ReferenceSegments()
     for ci, text in enumerate(plan_jsons):
         plan = Plan.from_json(text)
-        q, k, v, w = global_tensors(sum(plan.doc_lengths), seed=ci)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = reference_attention(*leaves, plan.doc_lengths)
-        ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
+        case = reference_case(plan, ci)
         for mode, overlap in CASES:
             attn = ContextParallelAttention(plan, comm_mode=mode, overlap=overlap, segment_kernel=kern)
-            local = [attn.dispatch(t).requires_grad_() for t in (q, k, v)]
-            out = attn(*local)
-            (out * attn.dispatch(w)).sum().backward()
-            errors = [max_abs(out - attn.dispatch(ref.detach()))]
-            errors += [max_abs(t.grad - attn.dispatch(g)) for t, g in zip(local, ref_grads, strict=True)]
+            _, errors = run_against_reference(attn, case)
             c = attn.counter
             results[(ci, mode, overlap)] = {
                 "errors": errors, "bytes": (c.forward_bytes, c.backward_bytes), "peak": c.kv_tokens_peak,
-                "path": attn.execution_path(local[0])[0],
+                "path": attn.execution_path(attn.dispatch(case.q))[0],
             }
     return results
 
