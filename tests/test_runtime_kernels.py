@@ -4,6 +4,7 @@ flash-attn against the float64 reference (GPU, bf16, TransformerEngine's CP tole
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -93,9 +94,10 @@ def test_rejects_more_queries_than_keys_and_unknown_kernel() -> None:
             varlen_attention(x, x, x, meta, 1.0, "flash")
 
 
-def _gpu_case(strategy: str, mode: str) -> None:
-    """bf16 flash run of a 4-rank plan (ranks one after another on one GPU) against the
-    float64 reference on the same bf16-rounded inputs, outputs and q/k/v gradients."""
+def bf16_against_reference(strategy: str, run: Callable[..., torch.Tensor], what: str) -> None:
+    """``run(plan, q, k, v)``: the output of a 4-rank plan run in bf16 on one GPU (ranks one
+    after another), checked with its q/k/v gradients against the float64 reference on the
+    same bf16-rounded inputs (TransformerEngine's CP tolerance)."""
     lengths = [1, 700, 33, 2049, 5, 1500, 260]
     model = ModelSpec(num_heads=8, num_kv_heads=2, head_dim=128)
     plan = solve(PlanRequest(doc_lengths=lengths, cp_size=4, strategy=strategy, model=model))
@@ -107,11 +109,11 @@ def _gpu_case(strategy: str, mode: str) -> None:
     leaves = [t.detach().double().requires_grad_() for t in bf]
     ref = reference_attention(*leaves, lengths)
     ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
-    sim = simulate_plan(plan, mode, *bf, kernel="flash")
-    grads = torch.autograd.grad((sim.output.double() * w).sum(), bf)
-    for name, got, want in [("out", sim.output, ref), *zip(("dq", "dk", "dv"), grads, ref_grads, strict=True)]:
+    out = run(plan, *bf)
+    grads = torch.autograd.grad((out.double() * w).sum(), bf)
+    for name, got, want in [("out", out, ref), *zip(("dq", "dk", "dv"), grads, ref_grads, strict=True)]:
         torch.testing.assert_close(got.double(), want.detach(), atol=TE_BF16_TOL, rtol=TE_BF16_TOL,
-                                   msg=lambda m, name=name: f"{strategy} {mode} {name}: {m}")
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 @pytest.mark.gpu
@@ -119,7 +121,9 @@ def _gpu_case(strategy: str, mode: str) -> None:
 @pytest.mark.parametrize("strategy", ["per_doc", "flashcp", "llama3"])
 @pytest.mark.parametrize("mode", COMM_MODES)
 def test_flash_attn_forward_backward_bf16_matches_reference(strategy: str, mode: str) -> None:
-    _gpu_case(strategy, mode)
+    bf16_against_reference(
+        strategy, lambda plan, *qkv: simulate_plan(plan, mode, *qkv, kernel="flash").output,
+        f"{strategy} {mode}")
 
 
 @pytest.mark.gpu

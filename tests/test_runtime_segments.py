@@ -28,6 +28,7 @@ from test_runtime_dist import (
     run_against_reference,
     solve_any,
 )
+from test_runtime_kernels import bf16_against_reference
 from timing import scaled
 
 from planner_service.core.build import GroupLayout, Layout, build_plan
@@ -420,21 +421,7 @@ def test_flash_segments_match_reference_in_bf16(causal: bool) -> None:
 def test_segments_path_with_flash_matches_reference_in_bf16(strategy: str) -> None:
     """A 4-rank plan, ranks one after another on one GPU, the flash adapter in every call,
     against the float64 reference on the same bf16 inputs (TransformerEngine's CP tolerance)."""
-    lengths = [1, 700, 33, 2049, 5, 1500, 260]
-    model = ModelSpec(num_heads=8, num_kv_heads=2, head_dim=128)
-    plan = solve(PlanRequest(doc_lengths=lengths, cp_size=4, strategy=strategy, model=model))
     kern = flash_segments(torch.device("cuda"), torch.bfloat16, 128)
     assert kern is not None
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    s = sum(lengths)
-    bf = [torch.randn(s, h, 128, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
-          for h in (8, 2, 2)]
-    w = torch.randn(s, 8, 128, generator=gen, device="cuda", dtype=torch.float64)
-    leaves = [t.detach().double().requires_grad_() for t in bf]
-    ref = reference_attention(*leaves, lengths)
-    ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
-    out = simulate_segments(plan, *bf, kern)
-    grads = torch.autograd.grad((out.double() * w).sum(), bf)
-    for name, got, want in [("out", out, ref), *zip(("dq", "dk", "dv"), grads, ref_grads, strict=True)]:
-        torch.testing.assert_close(got.double(), want.detach(), atol=TE_BF16_TOL, rtol=TE_BF16_TOL,
-                                   msg=lambda m, name=name: f"{strategy} {name}: {m}")
+    bf16_against_reference(strategy, lambda plan, *qkv: simulate_segments(plan, *qkv, kern),
+                           strategy)
