@@ -20,7 +20,7 @@ from timing import scaled
 from planner_service.fcp.cost_model import PROFILES
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
-from planner_service.service.testing import ServerProcess, tree_rss_mib
+from planner_service.service.testing import rss_bounded_server, tree_rss_mib
 
 TOKEN = "abuse-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -52,12 +52,8 @@ def server(site_profile):
            "PLANNER_MAX_JOBS": "16", "PLANNER_MAX_JOBS_PER_CLIENT": str(PER_CLIENT),
            "PLANNER_MAX_STREAM_PENDING": str(STREAM_PENDING),
            "PLANNER_FCP_PROFILES": json.dumps([site_profile])}
-    with ServerProcess(workers=1, env=env) as s:
-        before = tree_rss_mib(s.proc.pid)
+    with rss_bounded_server(env, RSS_GROWTH_MIB) as s:
         yield s
-        after = tree_rss_mib(s.proc.pid)
-        print(f"server tree RSS: {before:.0f} MiB before, {after:.0f} after")
-        assert after - before < RSS_GROWTH_MIB, (before, after)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from timing import scaled
 
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
-from planner_service.service.testing import ServerProcess, tree_rss_mib
+from planner_service.service.testing import rss_bounded_server
 
 pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
 
@@ -41,12 +41,8 @@ _probes = itertools.count(1)
 def server():
     env = {"PLANNER_TOKEN": TOKEN, "PLANNER_TEST_HOOKS": "1",
            "PLANNER_REQUEST_TIMEOUT_S": str(JOB_DEADLINE_S)}
-    with ServerProcess(workers=1, env=env) as s:
-        before = tree_rss_mib(s.proc.pid)
+    with rss_bounded_server(env, RSS_GROWTH_MIB) as s:
         yield s
-        after = tree_rss_mib(s.proc.pid)
-        print(f"server tree RSS: {before:.0f} MiB before, {after:.0f} after")
-        assert after - before < RSS_GROWTH_MIB, (before, after)
 
 
 @pytest.fixture(scope="module")

@@ -151,3 +151,18 @@ def grpc_in_thread(settings: Any, *, timeout_s: float = 30.0) -> Iterator[tuple[
     finally:
         loop.call_soon_threadsafe(started["stop"].set)
         thread.join(timeout_s / 3)
+
+
+@contextmanager
+def rss_bounded_server(env: dict[str, str], growth_mib: float, *,
+                       workers: int = 1) -> Iterator[ServerProcess]:
+    """A :class:`ServerProcess` whose whole process tree may grow by less than
+    ``growth_mib`` of RSS while the block runs (AssertionError on exit otherwise)."""
+    with ServerProcess(workers=workers, env=env) as server:
+        assert server.proc is not None  # started
+        pid = server.proc.pid
+        before = tree_rss_mib(pid)
+        yield server
+        after = tree_rss_mib(pid)
+        print(f"server tree RSS: {before:.0f} MiB before, {after:.0f} after")
+        assert after - before < growth_mib, (before, after)
