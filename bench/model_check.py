@@ -181,14 +181,21 @@ def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: 
     out: dict[str, Any] = {"path": path}
     # CPU: process CPU time (see the module docstring); CUDA: wall time after a synchronize.
     primary = 1 if device.type == "cuda" else 0
-    for name, fn in (("layer", layer), ("kernel", kernel_call), ("exchange", exchange)):
+    parts = (("layer", layer), ("kernel", kernel_call), ("exchange", exchange))
+    for _, fn in parts:
         fn()  # warm-up
-        # One barrier per measured function: CPU time does not count waiting, and the
-        # layer's and exchange's own collectives keep the ranks in step on CUDA.
-        dist.barrier()
-        runs = [timer(fn) for _ in range(repeats)]
-        out[f"{name}_ms"] = statistics.median(r[primary] for r in runs)
-        out[f"{name}_wall_ms"] = statistics.median(r[1] for r in runs)
+    # Repeats interleave the three functions, so a burst of load on the machine falls on
+    # all of them alike and the copies (layer - kernel - exchange) do not absorb it. One
+    # barrier before each measured call: CPU time does not count waiting, and the layer's
+    # and exchange's own collectives keep the ranks in step on CUDA.
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in parts}
+    for _ in range(repeats):
+        for name, fn in parts:
+            dist.barrier()
+            runs[name].append(timer(fn))
+    for name, timed in runs.items():
+        out[f"{name}_ms"] = statistics.median(r[primary] for r in timed)
+        out[f"{name}_wall_ms"] = statistics.median(r[1] for r in timed)
     return out
 
 
@@ -755,7 +762,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--sequences", type=int, default=2, help="sequences per data set and N")
     parser.add_argument("--tokens-per-rank", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per plan and rank (default 5 on CPU, 3 on CUDA)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--cpu-smoke", type=Path, metavar="DIR", help="tiny end-to-end run into DIR")
     parser.add_argument("--world-timeout", type=float, default=900.0)
@@ -776,6 +784,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.stem = "model_check_gpu" if cuda else "model_check"
     if args.tokens_per_rank is None:
         args.tokens_per_rank = 16384 if cuda else 1024
+    if args.repeats is None:
+        args.repeats = 3 if cuda else 5
     if args.cpu_smoke:
         args.device, args.base_link = "cpu", "gloo-local"
         args.base_kernel = "h100-fa2" if args.reference_segments else "cpu-torch"
