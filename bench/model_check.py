@@ -26,9 +26,9 @@
    local and remote calls; ring, the local call and one per step with queries) and of its
    transfers alone (segments and lean: the K/V and dK/dV collectives; gathered: the
    exchanger's blocking forward and backward; ring: the 3 (N - 1) shifts), each waited
-   for; copies = layer - kernel - exchange. On CPU the
-   times are each rank's process CPU time (the ranks of a world meet at a barrier before
-   each measured function): the machine has fewer cores than ranks, and CPU time counts a
+   for; copies = layer - kernel - exchange. The repeats interleave the three (layer,
+   kernel, exchange, layer, ...). On CPU the times are each rank's process CPU time (the
+   ranks of a world meet at a barrier before each measured call): the machine has fewer cores than ranks, and CPU time counts a
    rank's own work as if it had a core to itself, like a rank on its own GPU; a rank
    waiting in gloo uses no CPU (gloo blocks, it does not spin). CPU time cannot show
    overlap (gloo's threads are the rank's own process either way), so on CPU the runtime
