@@ -10,10 +10,11 @@ over Ring-Attn, 2.14x over Ring-Attn (Zigzag).
 
 Here: WLB-LLM (``wlbllm``) and Pile-like (``family:pile``) sequences, each strategy planned
 by this planner and estimated with core/step_time.py under ``h100-fa2`` and ``h100-fa3``
-with ``nvlink``, as the worker runtime executes the plan with flash-attn (the step-time
-model's ``gathered`` path: its own exchange, flashcp all-to-all-v, per_doc and llama3 full
-all-gather, ring and zigzag as the full all-gather the flash path runs for ``p2p_ring``;
-the flash path overlaps nothing, unlike the runtime's PyTorch-kernel path). The time
+with ``nvlink``, as the worker runtime executes the plan with flash-attn on its default
+segments flash path, each in its own exchange: flashcp all-to-all-v, per_doc and llama3
+full all-gather (the exchange overlapped with the local-key calls), ring and zigzag
+``p2p_ring`` (the segment ring: N - 1 shifts of each rank's block, each overlapped with a
+step's varlen calls). The time
 compared is the attention layer (kernel + copies + exchange, forward + backward), the part
 CP changes; the linear layers are the same for every strategy. No coefficient is tuned to the paper.
 """
@@ -104,7 +105,7 @@ def main() -> None:
         f"{args.sequences} packed 128K sequences per data set (seed 0); every prediction from "
         "core/step_time.py, each plan run as the worker runtime runs it with flash-attn (the "
         "segments path: the exchange overlapped with local-key attention; ring and zigzag as "
-        "the full all-gather). Paper figures: FlashCP arXiv:2606.08476, "
+        "the segment ring, each shift overlapped with a step's calls). Paper figures: FlashCP arXiv:2606.08476, "
         "section A4, averages over WLB-LLM, Pile and RedPajama, CP 4 and 8, 16 and 32 heads "
         "(8 x H100 SXM, NVLink). Predictions average over the cells below (WLB-LLM and "
         f"Pile-like only). Load average {load:.1f} (irrelevant: nothing here is timed).",
@@ -143,14 +144,19 @@ EXPLANATIONS = [
     "here is its imbalance (2N equal chunks of the packed sequence split long documents "
     "unevenly), charged in full at the slowest rank; the paper's averages also include "
     "forward-only runs and RedPajama, where it may weigh less (an assumption, not checked).",
-    "- **ring**: close to the paper. This runtime runs a ring plan under flash-attn as the "
-    "full all-gather on the segments path (its ring execution is on the PyTorch kernel only), "
-    "so the model prices that; the paper's Ring-Attn hides each P2P step behind compute but "
-    "runs N kernel calls on fragments with merges. The two differences roughly cancel here.",
-    "- **zigzag**: the model predicts zigzag = per_doc, because under flash-attn this runtime "
-    "runs the zigzag plan's chunks exactly as per_doc's (same shards, full all-gather); the "
-    "paper's ring-flash-attention zigzag runs 2 chunk kernels per doc per ring step with "
-    "log-sum-exp merges, per-step calls and merge copies this runtime does not run.",
+    "- **ring**: a little above the paper. Both run a ring: this runtime's segment ring "
+    "moves each rank's whole block 3 (N - 1) times (K/V forward, K/V and dK/dV backward), "
+    "each shift hidden behind one step's calls; the ring layout keeps most documents on one "
+    "or two ranks, so most steps bring a block the rank has no query for and their shifts "
+    "are exposed in full (a few ms at the slowest rank). Most of the gap is the layout's "
+    "imbalance, as in the paper. The model's tile and per-call costs are cited, not measured "
+    "on H100.",
+    "- **zigzag**: the model puts zigzag just behind per_doc (same shards): its ring exposes "
+    "less exchange than per_doc's full all-gather, but runs N - 1 steps of calls and merges "
+    "where per_doc runs one remote exchange. The paper's ring-flash-attention zigzag is "
+    "slower than that: it runs 2 chunk kernels per doc per ring step with log-sum-exp "
+    "merges, where this runtime's segment ring runs one call per query group and class of "
+    "documents per step.",
     "- **all**: the paper's averages include inference (forward only) and RedPajama, and the "
     "paper names no GQA (MHA assumed here: more KV bytes than Llama-3's 8 KV heads).",
 ]

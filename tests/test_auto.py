@@ -55,7 +55,7 @@ def test_auto_keeps_a_requested_comm_mode():
 
 
 def test_p2p_ring_is_a_candidate_where_the_runtime_runs_a_ring():
-    flash = PlanRequest(doc_lengths=(100, 50), cp_size=2, kernel="h100-fa2")
-    torch_kernel = PlanRequest(doc_lengths=(100, 50), cp_size=2, kernel="cpu-torch")
-    assert candidate_modes(flash) == MODES
-    assert candidate_modes(torch_kernel) == (*MODES, "p2p_ring")
+    # The PyTorch kernel's ring and flash-attn's segment ring (its default flash path).
+    for kernel in ("h100-fa2", "h100-fa3", "cpu-torch"):
+        request = PlanRequest(doc_lengths=(100, 50), cp_size=2, kernel=kernel)
+        assert candidate_modes(request) == (*MODES, "p2p_ring")

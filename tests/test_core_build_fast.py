@@ -36,8 +36,9 @@ def reference_group_metrics(shards_per_rank, padding, *, comm_mode, model, kerne
     kp, lp = get_kernel_profile(kernel), get_link_profile(link)
     steps = [rank_step(shards, recv_tokens=r, tokens_per_rank=tokens_per_rank, num_ranks=n,
                        comm_mode=comm_mode, model=model, kernel=kp, link=lp,
-                       tiles=attention_tiles(shards, kp.tile_q, kp.tile_k))
-             for shards, r in zip(shards_per_rank, recv, strict=True)]
+                       tiles=attention_tiles(shards, kp.tile_q, kp.tile_k),
+                       ring_blocks=[shards_per_rank[(i - s) % n] for s in range(1, n)])
+             for i, (shards, r) in enumerate(zip(shards_per_rank, recv, strict=True))]
     slowest = max(range(n), key=lambda i: (steps[i].total_ms, -i))
     comm_tokens = max(recv)
     doc_ranks: dict[int, set[int]] = {}

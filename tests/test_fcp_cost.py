@@ -20,6 +20,7 @@ from planner_service.fcp.cost_model import (
     get_profile,
     group_time,
     load_profile,
+    profile_path,
     time_table,
 )
 from planner_service.fcp.fit import (
@@ -103,8 +104,13 @@ def test_overlap_follows_the_runtime_kernel():
     assert 0 < PROFILES["cpu-gloo"].forward_share < 1
     assert PROFILES["h100-llama3-8b"].forward_share == pytest.approx(
         forward_share(get_kernel_profile("h100-fa3")))
-    # Each path's rule; the gathered flash path (opt-out) hides nothing.
-    assert OVERLAP_OF_PATH == {"segments": "local", "gathered": "none", "ring": "ring"}
+    # Each path's rule; the gathered flash path (opt-out) hides nothing; both rings the ring's.
+    assert OVERLAP_OF_PATH == {"segments": "local", "gathered": "none", "ring": "ring",
+                               "segment_ring": "ring"}
+    # A derived profile takes the path FCP's own (gather) exchange runs on under flash-attn,
+    # not the segment ring a p2p_ring plan runs as; the PyTorch kernel's ring.
+    assert [profile_path(get_kernel_profile(k)) for k in ("h100-fa3", "h100-fa2", "cpu-torch")] == [
+        "segments", "segments", "ring"]
     derived = derive_profile("x", kernel=get_kernel_profile("h100-fa2"), link=get_link_profile("nvlink"),
                              inter_link=get_link_profile("infiniband"), model=ModelSpec(),
                              ranks_per_node=8)

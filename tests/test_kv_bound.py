@@ -128,9 +128,9 @@ def test_group_peak_equals_the_plans_rank_stats(mode):
         plan = build_plan(layout, strategy="t", cp_size=n, doc_lengths=lengths,
                           context_length=None, comm_mode=mode, model=ModelSpec(),
                           kernel="h100-fa3", link="nvlink")
-        held = "full" if mode == "p2p_ring" else mode  # flash-attn runs a ring plan as full
-        assert group_peak(shards, held) == layout_peak(listed(layout), held) == plan_peak(plan)
-        assert plan_peak(plan) >= kv_floor(lengths, n, held)
+        # flash-attn runs a ring plan as a ring (the segment ring), as the PyTorch kernel does
+        assert group_peak(shards, mode) == layout_peak(listed(layout), mode) == plan_peak(plan)
+        assert plan_peak(plan) >= kv_floor(lengths, n, mode)
 
 
 def test_memory_first_holds_t_tokens_per_rank_and_meets_the_floor_without_spill():
@@ -169,7 +169,7 @@ def test_flashcp_holds_the_bound_or_names_its_least_candidate_peak():
 
 @pytest.mark.parametrize("mode", ["compact_allgather", "p2p_ring"])
 def test_flashcp_in_other_exchanges(mode):
-    # The PyTorch kernel runs p2p_ring as a ring (flash-attn would run it as full).
+    # Both kernels run p2p_ring as a ring (the PyTorch kernel's, flash-attn's segment ring).
     kernel = "cpu-torch" if mode == "p2p_ring" else "h100-fa3"
     free, refusal = assert_contract(debug_request(comm_mode=mode, kernel=kernel), [12000, 10000])
     if mode == "p2p_ring":  # own tokens plus two blocks of T, whatever the layout
@@ -298,17 +298,14 @@ def test_cli_flag_bounds_the_plan_and_reports_the_least():
     assert json.loads(json.dumps(plan.info))[FIELD] == 9000
 
 
-def test_a_ring_plan_under_flash_holds_what_the_full_gather_holds():
-    # flash-attn runs a p2p_ring plan as the full all-gather (worker_runtime/attention.py),
-    # the PyTorch kernel as a ring: the plan's KV peak follows the kernel.
+def test_a_ring_plan_holds_the_rings_kv_under_either_kernel():
+    # flash-attn runs a p2p_ring plan as the segment ring, the PyTorch kernel as its ring:
+    # own tokens plus two blocks of T either way; flash-attn's gathered path (opt-out)
+    # would run it as the full all-gather.
     lengths = (3000, 1200, 800, 600, 400)
-    flash = solve(PlanRequest(doc_lengths=lengths, cp_size=4, strategy="zigzag",
-                              kernel="h100-fa2"))
-    ring = solve(PlanRequest(doc_lengths=lengths, cp_size=4, strategy="zigzag",
-                             kernel="cpu-torch", link="gloo-local"))
-    g = flash.groups[0]
-    assert g.rank_stats.kv_tokens_peak == tuple(
-        t + r for t, r in zip(g.rank_stats.tokens, g.rank_stats.alltoallv_recv, strict=True))
-    t = ring.groups[0]
-    per_rank = max(x + p for x, p in zip(t.rank_stats.tokens, t.padding, strict=True))
-    assert t.rank_stats.kv_tokens_peak == tuple(x + 2 * per_rank for x in t.rank_stats.tokens)
+    for kernel, link in (("h100-fa2", "nvlink"), ("cpu-torch", "gloo-local")):
+        ring = solve(PlanRequest(doc_lengths=lengths, cp_size=4, strategy="zigzag",
+                                 kernel=kernel, link=link))
+        t = ring.groups[0]
+        per_rank = max(x + p for x, p in zip(t.rank_stats.tokens, t.padding, strict=True))
+        assert t.rank_stats.kv_tokens_peak == tuple(x + 2 * per_rank for x in t.rank_stats.tokens)

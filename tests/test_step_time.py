@@ -89,7 +89,7 @@ def random_group(rng: random.Random, n: int, docs: int, longest: int) -> list[li
 
 
 def test_the_path_follows_the_kernel_as_the_runtime_chooses():
-    assert {m: execution_path(FA2, m) for m in MODES} == dict.fromkeys(MODES, "segments")
+    assert [execution_path(FA2, m) for m in MODES] == ["segments"] * 3 + ["segment_ring"]
     assert {m: execution_path(FA2, m, "gathered") for m in MODES} == dict.fromkeys(MODES, "gathered")
     for flash_path in FLASH_PATHS:
         assert [execution_path(TORCH, m, flash_path) for m in MODES] == ["lean", "lean", "lean", "ring"]
@@ -410,16 +410,8 @@ def test_segments_zigzag_rank_written_out():
     assert one.rows.acc_lse == 2 * 2048 + 6 * 2048  # the forward's alone
 
 
-def test_flash_runs_a_ring_plan_as_full_on_the_segments_path_with_overlap():
-    group = [[Shard(0, 0, 1024), Shard(0, 3072, 4096)], [Shard(0, 1024, 3072)]]
-    kw = dict(recv=2048, tokens=2048, n=2)
-    ring = step(group[0], mode="p2p_ring", **kw)
-    assert ring == step(group[0], mode="full", **kw)
-    assert ring.comm_ms < step(group[0], mode="p2p_ring", overlap=False, **kw).comm_ms
-
-
 def test_segments_and_gathered_price_the_same_plan_differently():
-    plan = solve(PlanRequest(doc_lengths=(8192, 4096, 4096, 300), cp_size=4, strategy="zigzag",
+    plan = solve(PlanRequest(doc_lengths=(8192, 4096, 4096, 300), cp_size=4, strategy="per_doc",
                              kernel="h100-fa2"))
     seg = plan_rank_terms(plan, FA2, NVLINK)
     gat = plan_rank_terms(plan, FA2, NVLINK, flash_path="gathered")
@@ -578,9 +570,13 @@ def test_a_ring_too_large_to_model_is_refused_by_both_forms(monkeypatch):
     monkeypatch.setattr(mw, "MAX_RING_PAIRS", 23)
     kw = dict(tokens_per_rank=16, num_ranks=4, comm_mode="p2p_ring", model=CPU_MODEL, kernel=TORCH,
               link=GLOO)
-    with pytest.raises(ValueError, match="kernel: .* at most 23 .* this group has 24"):
-        group_steps(cost.shard_arrays(shards), recv_tokens=np.full(4, 48), **kw)
-    with pytest.raises(ValueError, match="kernel: .* at most 23 .* this group has 24"):
-        rank_step(shards[0], recv_tokens=48, ring_blocks=shards[1:], **kw)
+    for kernel in (TORCH, FA2):  # the PyTorch kernel's ring and flash-attn's segment ring
+        kw["kernel"] = kernel
+        with pytest.raises(ValueError, match="comm_mode: .* at most 23 .* this group has 24"):
+            group_steps(cost.shard_arrays(shards), recv_tokens=np.full(4, 48), **kw)
+        with pytest.raises(ValueError, match="comm_mode: .* at most 23 .* this group has 24"):
+            rank_step(shards[0], recv_tokens=48, ring_blocks=shards[1:], **kw)
     monkeypatch.setattr(mw, "MAX_RING_PAIRS", 24)
-    group_steps(cost.shard_arrays(shards), recv_tokens=np.full(4, 48), **kw)
+    for kernel in (TORCH, FA2):
+        kw["kernel"] = kernel
+        group_steps(cost.shard_arrays(shards), recv_tokens=np.full(4, 48), **kw)

@@ -249,10 +249,10 @@ def group_lean_work(s: SortedShards, block_q: int, block_k: int) -> GroupLeanWor
 
 
 MAX_RING_PAIRS = 1 << 20
-"""The most (shard, other holder of its doc) pairs a group's ring is modelled for: the ring's
+"""The most (shard, other holder of its doc) pairs a group's ring is modelled for: a ring's
 calls are per (rank, step), so the work grows with ranks x shards (a zigzag plan holds
-every doc on every rank); about 0.3 s of numpy at the limit. The PyTorch kernel's rings
-run on a few CPU ranks."""
+every doc on every rank); well under a second of numpy at the limit on either ring path
+(the PyTorch kernel's here, flash-attn's in core/segment_ring_work.py)."""
 
 
 def ring_pairs(rank: np.ndarray, doc: np.ndarray) -> int:
@@ -269,39 +269,42 @@ def check_ring_size(pairs: int) -> None:
     """ValueError when a ring is too large to model (MAX_RING_PAIRS)."""
     if pairs > MAX_RING_PAIRS:
         raise ValueError(
-            f"kernel: the PyTorch kernel's ring (p2p_ring with a 'packed' kernel profile) is "
-            f"modelled for at most {MAX_RING_PAIRS} (shard, other holder of its doc) pairs per "
-            f"group, this group has {pairs}; use a flash-attn kernel profile, fewer ranks or "
-            "another comm_mode")
+            f"comm_mode: the ring of a p2p_ring plan is modelled for at most {MAX_RING_PAIRS} "
+            f"(shard, other holder of its doc) pairs per group, this group has {pairs}; use "
+            "fewer ranks or another comm_mode")
 
 
-class GroupRingWork(NamedTuple):
-    """One entry per (rank, step) whose call has queries, sorted by (rank, step)."""
+class RingSeen(NamedTuple):
+    """Per (own shard, run of another rank holding its doc) pair in which the shard sees a
+    key of that run; a run is a rank's shards of one doc (``SortedShards.run``)."""
 
-    rank: np.ndarray
+    shard: np.ndarray
+    """Index of the query shard in the sorted shards."""
+    other: np.ndarray
+    """The run of the other rank."""
+    seen: np.ndarray
+    """The run's tokens below the shard's start (> 0): every row of the shard sees exactly
+    these keys of that rank, a prefix of the run."""
+    key0: np.ndarray
+    """The run's first row in its rank's local rows (the block's rows)."""
     step: np.ndarray
-    blocks: GroupBlocks
+    """The ring step that brings the run's block to the shard's rank: (i - j) mod N."""
 
 
-def group_ring_work(s: SortedShards, block_q: int, block_k: int) -> GroupRingWork:
-    """``ring_step_work`` of every rank and step with queries. O(s log s + t + blocks) for
-    t = (own shard, other holder of its doc) pairs; ValueError above MAX_RING_PAIRS.
+def ring_seen(s: SortedShards) -> RingSeen:
+    """Every pair of :class:`RingSeen`. O(s log s + t) for t = (own shard, other holder of
+    its doc) pairs; ValueError above MAX_RING_PAIRS.
 
-    Own shard a of rank i sees the block of slot j (step ``(i - j) mod N``) iff j holds
-    tokens of a's doc below a's start (``c`` of them; a's rows hold no position of j's,
-    so every row of a sees exactly c keys of that doc); the block's keys of earlier docs
-    come first.
+    Own shard a of rank i sees the block of slot j iff j holds tokens of a's doc below a's
+    start (``seen`` of them; a's rows hold no position of j's, so every row of a sees
+    exactly those keys of that doc); the block's keys of earlier docs come first.
     """
     n = s.num_ranks
     empty = np.zeros(0, dtype=np.int64)
     if len(s.rank) == 0 or n < 2:
-        return GroupRingWork(empty, empty, GroupBlocks(empty, empty, empty, empty))
+        return RingSeen(empty, empty, empty, empty, empty)
     check_ring_size(ring_pairs(s.rank, s.doc))
     run_rank, run_doc = s.rank[s.run_first], s.doc[s.run_first]
-    run_tokens = np.add.reduceat(s.length, s.run_first)
-    cum = np.concatenate(([0], np.cumsum(run_tokens)))
-    rank_first_run = np.searchsorted(run_rank, np.arange(n), side="left")
-    run_key0 = cum[:-1] - cum[rank_first_run[run_rank]]
     # Runs by doc: each shard pairs with every run of its doc.
     by_doc = np.lexsort((run_rank, run_doc))
     doc_sorted = run_doc[by_doc]
@@ -320,14 +323,34 @@ def group_ring_work(s: SortedShards, block_q: int, block_k: int) -> GroupRingWor
     c = c0[idx] - c0[s.run_first[other]]
     sees = c > 0
     shard, other, c = shard[sees], other[sees], c[sees]
+    step = (s.rank[shard] - run_rank[other]) % n
+    return RingSeen(shard, other, c, s.rank_row[s.run_first[other]], step)
+
+
+class GroupRingWork(NamedTuple):
+    """One entry per (rank, step) whose call has queries, sorted by (rank, step)."""
+
+    rank: np.ndarray
+    step: np.ndarray
+    blocks: GroupBlocks
+
+
+def group_ring_work(s: SortedShards, block_q: int, block_k: int) -> GroupRingWork:
+    """``ring_step_work`` of every rank and step with queries: the queries of the pairs of
+    :func:`ring_seen`, each against ``seen`` keys from the run's first row. O(s log s + t
+    + blocks) for t = (own shard, other holder of its doc) pairs; ValueError above
+    MAX_RING_PAIRS."""
+    seen = ring_seen(s)
+    if len(seen.shard) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return GroupRingWork(empty, empty, GroupBlocks(empty, empty, empty, empty))
+    shard, c, key0, step = seen.shard, seen.seen, seen.key0, seen.step
     i = s.rank[shard]
-    step = (i - run_rank[other]) % n
     order = np.lexsort((shard, step, i))
-    shard, other, c, i, step = shard[order], other[order], c[order], i[order], step[order]
+    shard, c, key0, i, step = shard[order], c[order], key0[order], i[order], step[order]
     head = np.ones(len(i), dtype=bool)
     head[1:] = (i[1:] != i[:-1]) | (step[1:] != step[:-1])
     call = np.cumsum(head) - 1
-    key0 = run_key0[other]
     blocks = blocks_of_calls(call, s.length[shard], key0, key0 + c, False, int(head.sum()),
                              block_q, block_k)
     return GroupRingWork(i[head], step[head], blocks)

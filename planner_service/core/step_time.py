@@ -1,19 +1,28 @@
 """Per-layer step-time estimate of one rank: what the worker runtime executes, term by term.
 
 The runtime (worker_runtime/attention.py, segattention.py, overlap.py, ring.py, comm.py)
-runs one attention layer (forward + backward) on one of four paths, set by the kernel and,
-for flash-attn, its ``flash_path`` (:func:`execution_path`):
+runs one attention layer (forward + backward) on one of five paths, set by the kernel, the
+comm mode and, for flash-attn, its ``flash_path`` (:func:`execution_path`):
 
 ``segments``  flash-attn (a ``segment``-tiling profile; CUDA, fp16/bf16), the runtime's
-              default, every comm mode (a ``p2p_ring`` plan runs as ``full``). The lean
-              path's structure on varlen calls (core/segment_work.py): the K and V
-              collectives (two, async) start; the rank's own keys are gathered into
-              (group, document) order (none when that is their own order, e.g. every
-              document with one shard here) and the ``A(j, i)`` calls run while the
-              exchange is in flight, each merged into float32 output and log-sum-exp
-              accumulators; then one copy of the distinct remote KV and the ``B(j, i)``
-              calls, merged the same way. Backward: the B calls' gradients, the dK/dV
-              return (two collectives, async) in flight during the A calls' gradients.
+              default flash path, the gather modes. The lean path's structure on varlen
+              calls (core/segment_work.py): the K and V collectives (two, async) start;
+              the rank's own keys are gathered into (group, document) order (none when
+              that is their own order, e.g. every document with one shard here) and the
+              ``A(j, i)`` calls run while the exchange is in flight, each merged into
+              float32 output and log-sum-exp accumulators; then one copy of the distinct
+              remote KV and the ``B(j, i)`` calls, merged the same way. Backward: the B
+              calls' gradients, the dK/dV return (two collectives, async) in flight during
+              the A calls' gradients.
+``segment_ring``  flash-attn on the segments flash path, ``p2p_ring``: the ring below on
+              varlen calls (core/segment_ring_work.py). Step 0 is the segments path's local
+              calls ``A(j, i)`` (own keys, gathered into (group, document) order unless in
+              place) merged into the float32 accumulators while shift 0 is in flight; step
+              s runs one full call per (query group, class of its documents with one shard
+              count) that sees a key of the block, reading the block in place (zero-query
+              segments fill the rows between key segments), merged by log-sum-exp.
+              Backward as ``ring``: the blocks circulate again with a T-row dK/dV
+              accumulator each; nothing remote is kept between the passes.
 ``gathered``  flash-attn with ``flash_path="gathered"`` (opt-out, or when flash-attn's
               private varlen API fails the runtime's probe). Stack the local K and V, one
               blocking KV collective over the N - 1 peers, gather every shard's keys
@@ -41,7 +50,8 @@ Terms (forward + backward, milliseconds):
 
 ``kernel``  Sum over the path's calls: FLOPs at the profile's rates, plus
             ``call_overhead_us`` per call (fwd + bwd), ``per_seq_us`` per document segment
-            (segments: per segment of every call; the other paths: per shard, once),
+            (segments, segment_ring: per segment of every call; the other paths: per
+            shard, once),
             ``per_tile_us`` per tile and ``per_row_block_us`` per query tile. Flash-attn
             tiles (``segment`` tiling; a started tile costs a full tile, FlashCP Fig. 3,
             WLB-LLM section 5): gathered, each shard of s queries at doc position p runs
@@ -49,12 +59,15 @@ Terms (forward + backward, milliseconds):
             ceil((p + min((j + 1) tile_q, s)) / tile_k) key tiles; segments, per document
             segment of a call, a causal square of s rows the same with p = 0, a full
             rectangle of q x k rows ceil(q / tile_q) ceil(k / tile_k) tiles (a hollow
-            segment: its query tiles, no key tile). Lean and ring: the PyTorch kernel's
-            blocks of tile_q query rows x tile_k keys over doc-masked key sets
-            (core/masked_work.py), dense inside a block.
+            segment: its query tiles, no key tile; a zero-query segment: none);
+            segment_ring, the local calls as on segments plus every step's calls (full
+            rectangles, hollow and zero-query segments as above). Lean and ring: the
+            PyTorch kernel's blocks of tile_q query rows x tile_k keys over doc-masked key
+            sets (core/masked_work.py), dense inside a block.
 ``copy``    Bytes written by the path's eager copies (:func:`path_rows`,
-            :func:`segment_rows`) at ``copy_gbps``, plus ``op_overhead_us`` per op. The
-            segments path's accumulators are float32 (float64 for float64 inputs).
+            :func:`segment_rows`, :func:`segment_ring_rows`) at ``copy_gbps``, plus
+            ``op_overhead_us`` per op. The flash paths' accumulators are float32 (float64
+            for float64 inputs).
 ``comm``    Exposed exchange. A collective over the N - 1 peers costs ``latency_us +
             (N - 1) per_peer_us``, a ring shift ``latency_us + per_peer_us``, plus bytes /
             bandwidth; R = tokens received per pass, T = rows per rank, b = K+V bytes per
@@ -69,11 +82,13 @@ Terms (forward + backward, milliseconds):
               the forward wait (:func:`segment_forward_window_rows`) and H_b =
               (1 - phi) K_A + the copies before the backward wait
               (:func:`segment_backward_window_rows`), K_A the A calls;
-            - ring, t = one shift of T b bytes; overlap off: 3 (N - 1) t; on:
-              max(0, t - phi K_loc) + sum over steps s = 1..N-2 of max(0, t - W_s)
-              + max(0, t - (1 - phi) K_loc) + sum over steps s = 2..N-1 of max(0, t - B_s)
-              + t, with W_s = phi K_s + the step's merge copies and B_s = (1 - phi) K_s
-              (both 0 for a step without queries).
+            - ring and segment_ring, t = one shift of T b bytes; overlap off:
+              3 (N - 1) t; on: max(0, t - phi K_loc) + sum over steps s = 1..N-2 of
+              max(0, t - W_s) + max(0, t - (1 - phi) K_loc) + sum over steps s = 2..N-1
+              of max(0, t - B_s) + t, with K_loc the local call (segment_ring: the local
+              calls), K_s the step's call(s), W_s = phi K_s + the step's merge copies
+              (:func:`merge_rows`; segment_ring :func:`segment_merge_rows`) and
+              B_s = (1 - phi) K_s (both 0 for a step without a call).
 
             No comm when the rank receives nothing (R = 0).
 ``linear``  the layer's GEMMs on every local row, padding included.
@@ -92,6 +107,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner_service.core import masked_work as mw
+from planner_service.core import segment_ring_work as srw
 from planner_service.core import segment_work as sgw
 from planner_service.core.cost import ShardArrays, comm_volumes, per_rank_sums, recv_tokens_by_mode
 from planner_service.core.model import ModelSpec
@@ -104,7 +120,9 @@ BWD_FLOP_RATIO = 2.5
 RUNTIME_OVERLAP = True
 """The runtime's default (``ContextParallelAttention(overlap=True)``; a test checks it)."""
 
-PATHS = ("segments", "gathered", "lean", "ring")
+PATHS = ("segments", "gathered", "lean", "ring", "segment_ring")
+RING_PATHS = ("ring", "segment_ring")
+"""The paths that run a ``p2p_ring`` plan as a ring (the others run it as ``full``)."""
 FLASH_PATHS = ("segments", "gathered")
 """How flash-attn runs (``ContextParallelAttention(flash_path=...)``)."""
 RUNTIME_FLASH_PATH = "segments"
@@ -114,22 +132,22 @@ when flash-attn's private varlen API fails the runtime's probe."""
 
 def execution_path(kernel: KernelProfile, comm_mode: str, flash_path: str = RUNTIME_FLASH_PATH) -> str:
     """The runtime path for a kernel profile and comm mode (module docstring): flash-attn
-    (``segment`` tiling) runs ``flash_path`` (FLASH_PATHS) in every comm mode; the PyTorch
-    kernel (``packed``) runs a ring for ``p2p_ring`` and the lean path otherwise. ValueError
-    for an unknown ``flash_path``."""
+    (``segment`` tiling) runs ``flash_path`` (FLASH_PATHS), a ``p2p_ring`` plan on the
+    segments flash path as ``segment_ring``; the PyTorch kernel (``packed``) runs a ring for
+    ``p2p_ring`` and the lean path otherwise. ValueError for an unknown ``flash_path``."""
     if flash_path not in FLASH_PATHS:
         raise ValueError(f"flash_path must be one of {', '.join(FLASH_PATHS)}, got {flash_path!r}")
     if kernel.tiling == "segment":
-        return flash_path
+        return "segment_ring" if comm_mode == "p2p_ring" and flash_path == "segments" else flash_path
     return "ring" if comm_mode == "p2p_ring" else "lean"
 
 
 def held_kv_mode(kernel: str, comm_mode: str) -> str:
     """The exchange whose KV a rank holds (``cost.kv_tokens_peak``'s mode) when ``kernel``
-    (a profile name) runs ``comm_mode``: ``p2p_ring`` where the runtime runs a ring (the
-    PyTorch kernel), ``full`` where it runs a ring plan as the full all-gather (flash-attn),
-    else ``comm_mode`` itself."""
-    if comm_mode == "p2p_ring" and execution_path(get_kernel_profile(kernel), comm_mode) != "ring":
+    (a profile name) runs ``comm_mode`` on the runtime's default flash path: ``p2p_ring``
+    where the runtime runs a ring (RING_PATHS), ``full`` where it runs a ring plan as the
+    full all-gather (flash-attn's gathered path), else ``comm_mode`` itself."""
+    if comm_mode == "p2p_ring" and execution_path(get_kernel_profile(kernel), comm_mode) not in RING_PATHS:
         return "full"
     return comm_mode
 
@@ -363,15 +381,56 @@ def segment_rows(comm_mode: str, *, tokens_per_rank: Any, real: Any, recv: Any,
     moves = recv > 0
     send, send_ops, ret, ret_ops = SEND_ROWS["full" if comm_mode == "p2p_ring" else comm_mode]
     unit = recv if comm_mode == "alltoallv" else recv // max(num_ranks - 1, 1)
-    rows, lse_rows, ops = SEGMENT_MERGE
     hollow, hollow_rows = work.hollow_calls, work.hollow_rows
     exchange = Rows(moves * (send + ret) * unit, 0 * r, 0 * r, moves * (send_ops + ret_ops))
-    forward = Rows(f, t + r + gathers * r, 0 * r, ops * b.calls + 2 * hollow + 2 + 2 + gathers,
-                   0 * r, rows * b.queries + hollow_rows, lse_rows * b.queries + hollow_rows)
+    forward = segment_merge_rows(b.calls, b.queries, hollow, hollow_rows) + Rows(
+        f, t + r + gathers * r, 0 * r, 2 + 2 + gathers)
     backward = Rows(recv + 2 * f, 2 * gathers * r + hollow_rows, 0 * r,
                     2 * gathers + 3 + 4 * b.calls - work.whole_remote + hollow + 6,
                     f + b.keys, r + b.queries, b.queries - work.whole_remote * r)
     return (exchange + segment_forward_window_rows(work, r) + forward
+            + segment_backward_window_rows(work, t, r) + backward)
+
+
+def segment_merge_rows(calls: Any, queries: Any, hollow_calls: Any, hollow_rows: Any) -> Rows:
+    """The log-sum-exp merges of ``calls`` calls with ``queries`` query rows in all into the
+    segments path's accumulators (SEGMENT_MERGE per query row and per call); a call with a
+    hollow segment masks both parts first (its ``hollow_rows`` query rows once more in each
+    accumulator kind, two ops)."""
+    rows, lse_rows, ops = SEGMENT_MERGE
+    return Rows(0 * queries, 0 * queries, 0 * queries, ops * calls + 2 * hollow_calls,
+                0 * queries, rows * queries + hollow_rows, lse_rows * queries + hollow_rows)
+
+
+def segment_ring_rows(*, tokens_per_rank: Any, real: Any, work: sgw.SegmentWork,
+                      ring: srw.RingStepCalls, num_ranks: int) -> Rows:
+    """Rows the segment ring's copies write, forward + backward (values may be arrays):
+    ``work`` the rank's segments-path counts (its local calls, the steps 0), ``ring`` its
+    steps' calls summed (``ring.steps`` of them with a call). The two windows of the
+    segments path (:func:`segment_forward_window_rows`,
+    :func:`segment_backward_window_rows`: the local buffer's gathers unless in place, the
+    accumulators and each group's first part, the local merges; the local dK/dV, the
+    local calls' log-sum-exp slices and adds, dQ/dK/dV back into ``[T]``), and:
+
+    - forward: the steps' merges (:func:`segment_merge_rows`), the output back into
+      ``[T]`` (zero fill, cast of r rows, an index copy of r rows unless in place); the
+      blocks are read in place;
+    - backward: dO and the output gathered (r rows each, unless in place), the zeroed dQ
+      accumulator (r rows), per step call its log-sum-exp slice (not when it is the whole
+      accumulator), the dQ add (and the masked dQ of a call with a hollow segment) and the
+      dK/dV adds of its key rows into the step's part; the T-row dK/dV accumulators as the
+      ring's (:func:`path_rows`): zeros for the first and the final add into the own
+      dK/dV (2T, N > 1), the add of each step's part (T per step with a call).
+    """
+    t, r, gathers, c = tokens_per_rank, real, 1 - work.in_place, ring.calls
+    ring_on = num_ranks > 1
+    forward = segment_merge_rows(c.calls, c.queries, ring.hollow_calls, ring.masked_rows) + Rows(
+        0 * r, t + r + gathers * r, 0 * r, 2 + gathers)
+    backward = Rows(ring_on * 2 * t + ring.steps * t, 2 * gathers * r + ring.masked_rows, 0 * r,
+                    2 * gathers + 1 + 4 * c.calls - ring.whole + ring.hollow_calls
+                    + 4 * ring_on + 2 * ring.steps,
+                    c.keys, r + c.queries, c.queries - ring.whole * r)
+    return (segment_forward_window_rows(work, r) + forward
             + segment_backward_window_rows(work, t, r) + backward)
 
 
@@ -395,12 +454,12 @@ def ring_shift_ms(tokens_per_rank: int, model: ModelSpec, link: LinkProfile) -> 
     return transfer_ms(tokens_per_rank * model.kv_bytes_per_token, link, 1)
 
 
-def ring_window_ms(work: KernelWork, queries: Any, model: ModelSpec, kernel: KernelProfile) -> Any:
-    """W_s: a ring step's forward work while the next shift is in flight (its call's forward
-    share and its merge copies)."""
-    m = merge_rows(queries)
+def ring_window_ms(work: KernelWork, merge: Rows, model: ModelSpec, kernel: KernelProfile) -> Any:
+    """W_s: a ring step's forward work while the next shift is in flight (its calls' forward
+    share and its merge copies ``merge``: :func:`merge_rows` on the ring path,
+    :func:`segment_merge_rows` on segment_ring)."""
     return forward_share(kernel) * kernel_ms(work, model, kernel) + copy_ms(
-        m.bytes(model), kernel, m.ops)
+        merge.bytes(model), kernel, merge.ops)
 
 
 # -- the estimate --------------------------------------------------------------------------
@@ -477,14 +536,17 @@ def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: in
                key_tokens: Any, ring_hidden: Any, ring_mid_calls: Any, model: ModelSpec,
                kernel: KernelProfile, link: LinkProfile, overlap: bool,
                ring_bwd_hidden: Any = 0.0, ring_late_calls: Any = 0,
-               segments: sgw.SegmentWork | None = None) -> Terms:
+               segments: sgw.SegmentWork | None = None,
+               segment_ring: srw.RingStepCalls | None = None) -> Terms:
     """The terms from a rank's counts (module docstring); per-rank values may be arrays,
     so :func:`rank_step` and :func:`group_steps` share every formula.
 
-    ``local``: the gathered path's call, the local call or the segments path's local calls;
-    ``extra``: the lean remote call, the ring's steps or the segments path's remote calls,
-    summed (``calls`` of them); ``queries``: their query rows (lean, ring).
-    ``segments``: the segments path's counts (its copies and windows).
+    ``local``: the gathered path's call, the local call or the segments path's local calls
+    (segments, segment_ring); ``extra``: the lean remote call, the ring's steps, the segments
+    path's remote calls or the segment ring's steps' calls, summed (``calls`` of them);
+    ``queries``: their query rows (lean, ring). ``segments``: the segments path's counts
+    (its copies and windows; segment_ring: those of its local calls). ``segment_ring``: the
+    segment ring's steps' calls, summed over the steps (its copies).
     ``ring_hidden``: sum over ring steps 1..N-2 with a call of max(0, t - W_s), in step order;
     ``ring_mid_calls``: how many such steps. ``ring_bwd_hidden``: sum over ring steps
     2..N-1 with a call of max(0, t - B_s), B_s the step's backward kernel share;
@@ -500,6 +562,10 @@ def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: in
         assert segments is not None, "the segments path needs its counts"
         rows = segment_rows(comm_mode, tokens_per_rank=t_rows, real=real, recv=recv,
                             work=segments, num_ranks=n)
+    elif path == "segment_ring":
+        assert segments is not None and segment_ring is not None, "segment_ring needs its counts"
+        rows = segment_ring_rows(tokens_per_rank=t_rows, real=real, work=segments,
+                                 ring=segment_ring, num_ranks=n)
     else:
         rows = path_rows(path, comm_mode, tokens_per_rank=t_rows, real=real, recv=recv,
                          key_tokens=key_tokens, remote_keys=remote_keys, queries=queries,
@@ -508,7 +574,7 @@ def path_terms(path: str, comm_mode: str, *, tokens_per_rank: int, num_ranks: in
     copies = copy_ms(nbytes, kernel, rows.ops) if t_rows else 0.0 * nbytes
     moves = recv > 0
     phi = forward_share(kernel)
-    if path == "ring":
+    if path in RING_PATHS:
         shift = ring_shift_ms(t_rows, model, link)
         passes = moves * (3 * (n - 1))
         comm_bytes = moves * (3 * recv * kvb)
@@ -600,34 +666,76 @@ def rank_terms(
     if num_ranks > 1 and (ring_blocks is None or len(ring_blocks) != num_ranks - 1):
         raise ValueError(f"ring_blocks must list the {num_ranks - 1} blocks a ring rank attends "
                          "(the shards of slots i - 1, ..., i - N + 1)")
+    blocks = list(ring_blocks or ())
     if num_ranks > 1:
-        held = [(r, sh.doc) for r, rank in enumerate((shards, *(ring_blocks or ())))
+        held = [(r, sh.doc) for r, rank in enumerate((shards, *blocks))
                 for sh in rank if sh.end > sh.start]
         mw.check_ring_size(mw.ring_pairs(np.array([r for r, _ in held], dtype=np.int64),
                                          np.array([d for _, d in held], dtype=np.int64)))
+    shift = ring_shift_ms(tokens_per_rank, model, link)
+    if path == "segment_ring":
+        sw = sgw.segment_work(shards, bq, bk)
+        ring = srw.segment_ring_work(shards, blocks, bq, bk)
+        per_step = [(_calls_work(st.calls), segment_merge_rows(
+            st.calls.calls, st.calls.queries, st.hollow_calls, st.masked_rows)) if st.steps else None
+            for st in ring]
+        total = srw.summed(ring)
+        return path_terms(path, comm_mode, local=_calls_work(sw.local),
+                          extra=_calls_work(total.calls), queries=0, remote_keys=0, key_tokens=0,
+                          segments=sw, segment_ring=total,
+                          **_ring_hiding(per_step, num_ranks, shift, model, kernel), **common)
     local_blocks = mw.masked_blocks(*mw.shard_rows(shards), *mw.shard_rows(shards), bq, bk)
     local = _blocks_work(local_blocks, 1, len(shards))
-    shift = ring_shift_ms(tokens_per_rank, model, link)
-    steps = [mw.ring_step_work(shards, block, bq, bk) for block in (ring_blocks or ())]
-    pairs = tiles_sum = row_blocks = queries = calls = mid = late = 0
+    steps = [mw.ring_step_work(shards, block, bq, bk) for block in blocks]
+    called = [b for b in steps if b.queries]
+    extra = KernelWork(sum(b.pairs for b in called), sum(b.tiles for b in called), 0,
+                       sum(b.row_blocks for b in called), len(called))
+    per_step = [(_blocks_work(b, 1), merge_rows(b.queries)) if b.queries else None for b in steps]
+    return path_terms(path, comm_mode, local=local, extra=extra,
+                      queries=sum(b.queries for b in called), remote_keys=0, key_tokens=0,
+                      **_ring_hiding(per_step, num_ranks, shift, model, kernel), **common)
+
+
+def _ring_hiding(parts: Sequence[tuple[KernelWork, Rows] | None], num_ranks: int, shift: float,
+                 model: ModelSpec, kernel: KernelProfile) -> dict[str, Any]:
+    """:func:`path_terms`' ring arguments from each step's (calls, merge copies), None for
+    a step without a call, steps 1..N-1 in order."""
     hidden = bwd_hidden = 0.0
+    mid = late = 0
     phi = forward_share(kernel)
-    for s, b in enumerate(steps, start=1):
-        if not b.queries:
+    for s, part in enumerate(parts, start=1):
+        if part is None:
             continue
-        pairs, tiles_sum, row_blocks = pairs + b.pairs, tiles_sum + b.tiles, row_blocks + b.row_blocks
-        queries, calls = queries + b.queries, calls + 1
+        work, merge = part
         if s <= num_ranks - 2:
-            w = ring_window_ms(_blocks_work(b, 1), b.queries, model, kernel)
-            hidden += max(0.0, shift - w)
+            hidden += max(0.0, shift - ring_window_ms(work, merge, model, kernel))
             mid += 1
         if s >= 2:
-            bwd_hidden += max(0.0, shift - (1 - phi) * kernel_ms(_blocks_work(b, 1), model, kernel))
+            bwd_hidden += max(0.0, shift - (1 - phi) * kernel_ms(work, model, kernel))
             late += 1
-    extra = KernelWork(pairs, tiles_sum, 0, row_blocks, calls)
-    return path_terms(path, comm_mode, local=local, extra=extra, queries=queries, remote_keys=0,
-                      key_tokens=0, ring_hidden=hidden, ring_mid_calls=mid,
-                      ring_bwd_hidden=bwd_hidden, ring_late_calls=late, **common)
+    return dict(ring_hidden=hidden, ring_mid_calls=mid, ring_bwd_hidden=bwd_hidden,
+                ring_late_calls=late)
+
+
+def _group_ring_hiding(rank: np.ndarray, step: np.ndarray, work: KernelWork, merge: Rows,
+                       num_ranks: int, shift: float, model: ModelSpec,
+                       kernel: KernelProfile) -> dict[str, Any]:
+    """:func:`_ring_hiding` of every rank from one entry per (rank, step) with a call,
+    sorted by (rank, step): fields of ``work`` and ``merge`` are arrays over the entries
+    (or scalars)."""
+    def take(x: Any, keep: np.ndarray) -> Any:
+        return type(x)(*(f[keep] if isinstance(f, np.ndarray) else f for f in x))
+
+    n = num_ranks
+    mid = step <= n - 2
+    w = ring_window_ms(take(work, mid), take(merge, mid), model, kernel)
+    late = step >= 2
+    b_s = (1 - forward_share(kernel)) * kernel_ms(take(work, late), model, kernel)
+    return dict(ring_hidden=np.bincount(rank[mid], weights=np.maximum(0.0, shift - w), minlength=n),
+                ring_mid_calls=np.bincount(rank[mid], minlength=n),
+                ring_bwd_hidden=np.bincount(rank[late], weights=np.maximum(0.0, shift - b_s),
+                                            minlength=n),
+                ring_late_calls=np.bincount(rank[late], minlength=n))
 
 
 def rank_step(
@@ -647,15 +755,15 @@ def rank_step(
 ) -> StepEstimate:
     """Estimate one rank's per-layer time (module docstring). O(shards + tiles) on the
     gathered path, O(M^2 D + tiles) on the segments path (M the most shards of one of the
-    rank's D documents), O(rows + blocks) on the others (the reference :func:`group_steps`
-    equals).
+    rank's D documents), O(M^2 D + N (shards + block shards) M) on segment_ring, O(rows +
+    blocks) on the others (the reference :func:`group_steps` equals).
 
     ``recv_tokens``: what the rank receives per pass in ``comm_mode`` (``p2p_ring``: the
     (N - 1) x tokens_per_rank the ring's forward moves). ``tiles``: the shards' segment tiles
     when already counted (gathered path only). ``overlap``: the runtime's switch (no effect
-    on the gathered path). ``ring_blocks``: on the ring path with N > 1, the shards of the
-    blocks the rank attends at steps 1..N-1 (slots i - 1, i - 2, ... mod N). ``flash_path``:
-    how a ``segment``-tiling kernel runs (FLASH_PATHS). Shards in (doc, start) order,
+    on the gathered path). ``ring_blocks``: on the ring paths (RING_PATHS) with N > 1, the
+    shards of the blocks the rank attends at steps 1..N-1 (slots i - 1, i - 2, ... mod N).
+    ``flash_path``: how a ``segment``-tiling kernel runs (FLASH_PATHS). Shards in (doc, start) order,
     disjoint, as plans hold them (the segments path takes them in local-row order).
     """
     t = rank_terms(shards, recv_tokens=recv_tokens, tokens_per_rank=tokens_per_rank,
@@ -684,7 +792,8 @@ def group_steps(
     in its local-row order), in numpy: gathered path O(shards + tiles), segments
     O(s log s + c) for c candidate remote calls (M (M + 1) / 2 per rank, M the most shards
     of one doc on it), lean O(s log s + blocks), ring O(s log s + t + blocks) for t
-    (shard, other holder of its doc) pairs. No loop over ranks. ``tiles``: per-rank segment
+    (shard, other holder of its doc) pairs, segment_ring the segments path's local calls
+    and O(t log t) (core/segment_ring_work.py). No loop over ranks. ``tiles``: per-rank segment
     tiles of the gathered path when already counted (unused on the other paths)."""
     n = num_ranks
     recv = np.asarray(recv_tokens, dtype=np.int64)
@@ -725,6 +834,24 @@ def group_steps(
                        remote_keys=lw.remote_keys, key_tokens=zero, ring_hidden=0.0,
                        ring_mid_calls=0, **common)
         return _arrays(t, n)
+    shift = ring_shift_ms(tokens_per_rank, model, link)
+    if path == "segment_ring":
+        sw = sgw.group_segment_work(arrays.rank, arrays.doc, arrays.start, arrays.end, n, bq, bk)
+        gr = srw.group_segment_ring_work(s, bq, bk)
+        st = gr.work
+
+        def by_rank(x: np.ndarray) -> np.ndarray:
+            return np.bincount(gr.rank, weights=x, minlength=n).astype(np.int64)
+
+        total = srw.RingStepCalls(sgw.Calls(*(by_rank(x) for x in st.calls)),
+                                  *(by_rank(x) for x in st[1:]))
+        merge = segment_merge_rows(st.calls.calls, st.calls.queries, st.hollow_calls, st.masked_rows)
+        t = path_terms(path, comm_mode, local=_calls_work(sw.local), extra=_calls_work(total.calls),
+                       queries=zero, remote_keys=zero, key_tokens=zero, segments=sw,
+                       segment_ring=total,
+                       **_group_ring_hiding(gr.rank, gr.step, _calls_work(st.calls), merge, n,
+                                            shift, model, kernel), **common)
+        return _arrays(t, n)
     lb = mw.blocks_of_calls(s.rank, s.length, s.rank_row[s.run_first[s.run]], s.rank_row, True,
                             n, bq, bk)
     local = KernelWork(lb.pairs, lb.tiles, segments, lb.row_blocks, 1 + zero)
@@ -736,20 +863,11 @@ def group_steps(
 
     extra = KernelWork(per_rank(b.pairs), per_rank(b.tiles), zero, per_rank(b.row_blocks),
                        np.bincount(rw.rank, minlength=n).astype(np.int64))
-    shift = ring_shift_ms(tokens_per_rank, model, link)
-    mid = rw.step <= n - 2
-    step_work = KernelWork(b.pairs[mid], b.tiles[mid], 0, b.row_blocks[mid], 1)
-    w = ring_window_ms(step_work, b.queries[mid], model, kernel)
-    hidden = np.bincount(rw.rank[mid], weights=np.maximum(0.0, shift - w), minlength=n)
-    late = rw.step >= 2
-    late_work = KernelWork(b.pairs[late], b.tiles[late], 0, b.row_blocks[late], 1)
-    b_s = (1 - forward_share(kernel)) * kernel_ms(late_work, model, kernel)
-    bwd_hidden = np.bincount(rw.rank[late], weights=np.maximum(0.0, shift - b_s), minlength=n)
+    step_work = KernelWork(b.pairs, b.tiles, 0, b.row_blocks, 1)
     t = path_terms(path, comm_mode, local=local, extra=extra, queries=per_rank(b.queries),
-                   remote_keys=zero, key_tokens=zero, ring_hidden=hidden,
-                   ring_mid_calls=np.bincount(rw.rank[mid], minlength=n),
-                   ring_bwd_hidden=bwd_hidden,
-                   ring_late_calls=np.bincount(rw.rank[late], minlength=n), **common)
+                   remote_keys=zero, key_tokens=zero,
+                   **_group_ring_hiding(rw.rank, rw.step, step_work, merge_rows(b.queries), n,
+                                        shift, model, kernel), **common)
     return _arrays(t, n)
 
 

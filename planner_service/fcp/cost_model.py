@@ -23,15 +23,15 @@ is three equal transfers (forward K/V, backward K/V, backward dK/dV: ``alpha3 = 
 bytes per token, a ring's), ``T_cpa = alpha1 W / d`` and ``phi`` the forward share of a
 call (``forward_share``):
 
-- ``overlap = "local"`` (flash-attn on the runtime's default segments path, every comm
-  mode): the exchange is K/V forward and dK/dV back (no backward K/V: its third counts as
+- ``overlap = "local"`` (flash-attn on the runtime's default segments path, the gather
+  modes): the exchange is K/V forward and dK/dV back (no backward K/V: its third counts as
   hidden); the forward exchange hides behind the forward share of the rank's attention
   on its own keys and the dK/dV return behind the backward share, as in step_time's
   lean formula. A rank's own keys are taken as 1/d of the keys its queries see (a
   sequence spread over the d ranks):
   ``H = T_cma / 3 + min(T_cma / 3, phi T_cpa / d) + min(T_cma / 3, (1 - phi) T_cpa / d)``;
 - ``"none"`` (flash-attn on its gathered path: blocking exchange): ``H = 0``;
-- ``"ring"`` (the PyTorch kernel's ring): the backward K/V travels beside the dK/dV
+- ``"ring"`` (the PyTorch kernel's ring, flash-attn's segment ring): the backward K/V travels beside the dK/dV
   accumulators (hidden), the forward K/V hides behind the forward attention of all but
   the last step, and d - 2 of the d - 1 accumulators hide behind the next step's backward
   attention (the last is waited for after the loop):
@@ -61,7 +61,12 @@ from planner_service.core.profiles import (
     get_kernel_profile,
     get_link_profile,
 )
-from planner_service.core.step_time import BWD_FLOP_RATIO, execution_path, forward_share
+from planner_service.core.step_time import (
+    BWD_FLOP_RATIO,
+    RUNTIME_FLASH_PATH,
+    execution_path,
+    forward_share,
+)
 
 PROFILE_FORMAT = "cp-planner-fcp-profile/v1"
 OVERLAPS = ("none", "ring", "local")
@@ -69,8 +74,8 @@ OVERLAPS = ("none", "ring", "local")
 OPTIONAL = {"overlap": "none", "forward_share": 0.0}
 """Fields a profile dict may leave out, with their defaults (profiles written before them:
 nothing hidden, as on the gathered flash path)."""
-OVERLAP_OF_PATH = {"segments": "local", "gathered": "none", "ring": "ring"}
-"""The overlap rule of the path the runtime runs a ring plan on (step_time.execution_path)."""
+OVERLAP_OF_PATH = {"segments": "local", "gathered": "none", "ring": "ring", "segment_ring": "ring"}
+"""The overlap rule of each runtime path (step_time.execution_path) it describes."""
 T = TypeVar("T")
 
 
@@ -159,6 +164,14 @@ class FcpProfile:
         return cls(**{k: data[k] for k in names if k in data})
 
 
+def profile_path(kernel: KernelProfile) -> str:
+    """The runtime path whose overlap rule a derived profile takes: under flash-attn its
+    default flash path, where the plans of FCP's own exchange (all-to-all-v, a gather mode)
+    run (a ``p2p_ring`` plan's segment ring is not what FCP's plans run); under the PyTorch
+    kernel its ring (FCP's groups are rings; its gather-mode lean path has no rule here)."""
+    return RUNTIME_FLASH_PATH if kernel.tiling == "segment" else execution_path(kernel, "p2p_ring")
+
+
 def derive_profile(
     name: str, *, kernel: KernelProfile, link: LinkProfile, inter_link: LinkProfile,
     model: ModelSpec, ranks_per_node: int,
@@ -172,7 +185,7 @@ def derive_profile(
     ModelSpec.linear_flops_per_token) at the dense GEMM rate. beta1: one kernel launch
     sequence. alpha3: ring attention moves each remote KV block once forward and KV plus
     dKV backward, 3 x the KV bytes of a token. beta2: one link latency per pass (fwd, bwd).
-    overlap: what the runtime hides with this kernel on its default path
+    overlap: what the runtime hides with this kernel on :func:`profile_path`
     (OVERLAP_OF_PATH: ``ring`` for the PyTorch kernel, whose ``p2p_ring`` runs as a ring;
     ``local`` for flash-attn, whose segments path overlaps the exchange with the attention
     on the rank's own keys).
@@ -190,7 +203,7 @@ def derive_profile(
         inter_node_bandwidth_gbps=inter_link.bandwidth_gbps,
         ranks_per_node=ranks_per_node,
         beta2=2.0 * link.latency_us * 1e-3,
-        overlap=OVERLAP_OF_PATH[execution_path(kernel, "p2p_ring")],
+        overlap=OVERLAP_OF_PATH[profile_path(kernel)],
         forward_share=forward_share(kernel),
         source=(
             f"derived (fcp/cost_model.py derive_profile) from kernel {kernel.name} ({kernel.source}), "

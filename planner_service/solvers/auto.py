@@ -5,11 +5,12 @@ Every candidate strategy is solved and measured under every exchange the runtime
 since a strategy's objective may follow the exchange (flashcp's does), with the request's
 model, kernel and link profiles (core/step_time.py). The least ``est_step_ms`` wins, ties
 going to the earlier candidate (CANDIDATES order, then MODES order). ``p2p_ring`` is a
-candidate mode where the runtime runs it as a ring (a ``packed`` kernel profile: the
-PyTorch kernel), unless the ring is too large to model (``masked_work.MAX_RING_PAIRS``;
-recorded under ``skipped``); under flash-attn it runs as the full all-gather, so ``full``
-stands for it. The plan's info records the choice and every candidate's prediction. Cost: one solve and one metrics pass
-(O(shards + tiles)) per (strategy, mode).
+candidate mode where the runtime runs it as a ring (``step_time.RING_PATHS``: the PyTorch
+kernel's ring, flash-attn's segment ring on its default flash path), unless the ring is too
+large to model (``masked_work.MAX_RING_PAIRS``; recorded under ``skipped``). The plan's
+info records the choice and every candidate's prediction. Cost: one solve and one metrics
+pass (O(shards + tiles); a ring: O(s log s + t log t) for t (shard, other holder of its
+doc) pairs) per (strategy, mode).
 
 With ``max_kv_tokens_per_rank`` (``solvers.kv_bound``) the candidates whose plan is over
 the bound are left out, their predictions not recorded (flashcp holds the bound itself,
@@ -28,7 +29,7 @@ from dataclasses import replace
 from planner_service.core.build import Layout, build_plan
 from planner_service.core.profiles import get_kernel_profile
 from planner_service.core.request import PlanRequest
-from planner_service.core.step_time import execution_path, held_kv_mode
+from planner_service.core.step_time import RING_PATHS, execution_path, held_kv_mode
 from planner_service.solvers.fcp_strategy import Intra
 from planner_service.solvers.kv_bound import KvBoundError, kv_floor, plan_peak
 
@@ -43,7 +44,7 @@ def candidate_modes(request: PlanRequest) -> tuple[str, ...]:
     """The request's ``comm_mode``, else MODES, plus ``p2p_ring`` where it runs as a ring."""
     if request.comm_mode:
         return (request.comm_mode,)
-    ring = execution_path(get_kernel_profile(request.kernel), "p2p_ring") == "ring"
+    ring = execution_path(get_kernel_profile(request.kernel), "p2p_ring") in RING_PATHS
     return (*MODES, "p2p_ring") if ring else MODES
 
 
