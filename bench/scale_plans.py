@@ -7,9 +7,10 @@
 
 Each tree solves every request in its own process (``PYTHONPATH`` = the tree) and reports,
 per request, the sha256 of the plan's canonical JSON (``Plan.to_json``: every shard, figure
-and the plan_id) and the plan's imbalance and comm savings; the requests whose digests
-differ are listed with those figures in both trees and their means, and the exit status
-is 1. ``--out`` writes the same as markdown.
+and the plan_id) and the plan's imbalance and comm savings, or the field and message of a
+refusal (a FieldError: e.g. a ring too large for the step-time model to price); the
+requests whose digests differ are listed with those figures in both trees and their means,
+and the exit status is 1. ``--out`` writes the same as markdown.
 
 Requests (``requests``): packed sequences of the two shared data sets and every parametric
 family at 32K to 2M tokens over N = 1 .. 1024, every comm_mode and several R; adversarial
@@ -97,6 +98,7 @@ FIGURES = ("imbalance", "comm_saving_alltoallv", "comm_saving_allgather")
 def digests(quick: bool, only: str | None) -> dict[str, dict]:
     """In the tree on ``sys.path``: per request, the sha256 of its plan's JSON and its
     ``FIGURES``."""
+    from planner_service.core.errors import FieldError
     from planner_service.core.request import PlanRequest
     from planner_service.solvers.registry import solve
 
@@ -105,7 +107,12 @@ def digests(quick: bool, only: str | None) -> dict[str, dict]:
         if only and fields.get("strategy", "flashcp") != only:
             continue
         request = PlanRequest(**{**fields, "doc_lengths": tuple(fields["doc_lengths"])})
-        plan = solve(request, check=False)
+        try:
+            plan = solve(request, check=False)
+        except FieldError as exc:  # a documented refusal (e.g. a ring too large to model)
+            out[name] = {"digest": f"refused: {exc.field}: {exc}",
+                         **{f: float("nan") for f in FIGURES}}
+            continue
         out[name] = {"digest": hashlib.sha256(plan.to_json().encode()).hexdigest(),
                      **{f: getattr(plan.metrics, f) for f in FIGURES}}
     return out

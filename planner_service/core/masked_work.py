@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner_service.core.errors import FieldError
 from planner_service.core.plan import Shard
 
 
@@ -266,9 +267,10 @@ def ring_pairs(rank: np.ndarray, doc: np.ndarray) -> int:
 
 
 def check_ring_size(pairs: int) -> None:
-    """ValueError when a ring is too large to model (MAX_RING_PAIRS)."""
+    """FieldError on ``comm_mode`` when a ring is too large to model (MAX_RING_PAIRS)."""
     if pairs > MAX_RING_PAIRS:
-        raise ValueError(
+        raise FieldError(
+            "comm_mode",
             f"comm_mode: the ring of a p2p_ring plan is modelled for at most {MAX_RING_PAIRS} "
             f"(shard, other holder of its doc) pairs per group, this group has {pairs}; use "
             "fewer ranks or another comm_mode")
