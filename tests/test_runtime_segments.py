@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_runtime_dist import (
     KV_ROW_ELEMS,
@@ -161,10 +161,13 @@ def dense_segments(q, k, v, lq, lk, causal, scale):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 9)), min_size=1, max_size=5),
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=5),
        st.booleans(), st.sampled_from([(2, 1), (4, 2), (3, 3)]))
 def test_reference_segments_equal_dense_segments_with_lse_and_part_gradients(segments, causal, heads) -> None:
+    """Segments of any size: zero-query ones (their keys get zero gradients) and hollow ones
+    (no keys: -inf lse) included."""
     lq = [a for a, _ in segments]
+    assume(sum(lq) > 0)
     lk = [a + b for a, b in segments] if causal else [b for _, b in segments]
     h, g = heads
     gen = torch.Generator().manual_seed(sum(lq) + 7 * sum(lk))
