@@ -78,7 +78,7 @@ from worker_runtime import CommCounter, ContextParallelAttention, build_meta, va
 from worker_runtime.comm import Exchanger
 from worker_runtime.kernels import VarlenMeta, attention_backward, attention_forward
 from worker_runtime.overlap import build_state
-from worker_runtime.ring import build_ring_state
+from worker_runtime.ring import build_ring_state, shift
 from worker_runtime.segattention import build_segment_state
 from worker_runtime.segkernels import ReferenceSegments, SegmentKernel, flash_segments
 from worker_runtime.testing import free_port, run_distributed
@@ -319,18 +319,9 @@ def _ring_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.
     calls += [_call(model, step.meta, len(step.rows), t, rand) for step in state.steps if len(step.rows)]
     block = (rand(t, g, d, grad=False), rand(t, g, d, grad=False))
 
-    def shift() -> None:
-        works = []
-        for tag, x in enumerate(block):
-            works.append(dist.isend(x, group=state.group, group_dst=state.send_to, tag=tag))
-            works.append(dist.irecv(torch.empty_like(x), group=state.group,
-                                    group_src=state.recv_from, tag=tag))
-        for work in works:
-            work.wait()
-
     def exchange() -> None:
         for _ in range(3 * (state.num_ranks - 1)):
-            shift()
+            shift(state.link, block, "forward").wait()
 
     return _all(calls), exchange
 
