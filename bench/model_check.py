@@ -12,7 +12,7 @@
    STRATEGIES plans it, each with its own exchange, run on the path the runtime takes for
    it (``ContextParallelAttention.execution_path``): on CPU the PyTorch kernel's lean path
    for the gather modes and a ring for ``p2p_ring``; on CUDA flash-attn's segments path
-   (the runtime's default; a ring plan as the full all-gather), or its gathered path where
+   (the runtime's default; a ring plan as the segment ring), or its gathered path where
    flash-attn's private varlen API fails the runtime's probe. Each rank records the path
    it ran, and the model prices the plan on that path (core/step_time.py
    ``execution_path``; a mismatch is an error). ``--reference-segments`` runs the segments
@@ -22,13 +22,15 @@
    GPU per rank on CUDA). Per plan and rank, the median over ``--repeats`` of the
    runtime's forward+backward attention layer (``ContextParallelAttention`` call plus
    backward), of its kernel calls alone (the path's calls on the rank's own metadata:
-   segments, every varlen call forward and backward; gathered, one varlen call; lean, the
+   segments, every varlen call forward and backward; segment ring, the local calls and
+   every step's calls on a block of the rank's size; gathered, one varlen call; lean, the
    local and remote calls; ring, the local call and one per step with queries) and of its
    transfers alone (segments and lean: the K/V and dK/dV collectives; gathered: the
-   exchanger's blocking forward and backward; ring: the 3 (N - 1) shifts), each waited
-   for; copies = layer - kernel - exchange. The repeats interleave the three (layer,
-   kernel, exchange, layer, ...). On CPU the times are each rank's process CPU time (the
-   ranks of a world meet at a barrier before each measured call): the machine has fewer cores than ranks, and CPU time counts a
+   exchanger's blocking forward and backward; both rings: the 3 (N - 1) shifts), each
+   waited for; copies = layer - kernel - exchange. The repeats interleave the three
+   (layer, kernel, exchange, layer, ...). On CPU the times are each rank's process CPU
+   time (the ranks of a world meet at a barrier before each measured call): the machine
+   has fewer cores than ranks, and CPU time counts a
    rank's own work as if it had a core to itself, like a rank on its own GPU; a rank
    waiting in gloo uses no CPU (gloo blocks, it does not spin). CPU time cannot show
    overlap (gloo's threads are the rank's own process either way), so on CPU the runtime
@@ -78,9 +80,11 @@ from worker_runtime import CommCounter, ContextParallelAttention, build_meta, va
 from worker_runtime.comm import Exchanger
 from worker_runtime.kernels import VarlenMeta, attention_backward, attention_forward
 from worker_runtime.overlap import build_state
-from worker_runtime.ring import build_ring_state
+from worker_runtime.ring import RingLink, build_ring_state, ring_link, shift
 from worker_runtime.segattention import build_segment_state
-from worker_runtime.segkernels import ReferenceSegments, SegmentKernel, flash_segments
+from worker_runtime.segkernels import ReferenceSegments, SegmentKernel, SegmentMeta, flash_segments
+from worker_runtime.segments import SegmentCall
+from worker_runtime.segring import build_segment_ring_state
 from worker_runtime.testing import free_port, run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -171,6 +175,9 @@ def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: 
     elif path == "segments":
         assert segment_kernel is not None
         kernel_call, exchange = _segments_parts(attn, model, device, dtype, rand, segment_kernel)
+    elif path == "segment_ring":
+        assert segment_kernel is not None
+        kernel_call, exchange = _segment_ring_parts(attn, model, device, dtype, rand, segment_kernel)
     elif path == "gathered":
         kernel_call, exchange = _gathered_parts(attn, model, device, dtype, rand, kernel)
     elif path == "lean":
@@ -284,26 +291,48 @@ def _lean_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.
     return _all(calls), _split_exchange(ex, model, lay.num_tokens, device, dtype, rand)
 
 
+Calls = list[tuple[SegmentCall, SegmentMeta]]
+
+
+def _run_calls(kernel: SegmentKernel, model: ModelSpec, queries: int,
+               rand: Callable[..., torch.Tensor],
+               batches: list[tuple[Calls, int]]) -> Callable[[], None]:
+    """Each call of every ``(calls, key rows)`` batch, forward and backward, on random
+    queries (``queries`` rows) and a random key buffer per batch (no merges, no copies)."""
+    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    q, do = rand(queries, h, d, grad=False), rand(queries, h, d, grad=False)
+    buffers = [(calls, rand(n, g, d, grad=False), rand(n, g, d, grad=False)) for calls, n in batches]
+
+    def run() -> None:
+        for calls, k, v in buffers:
+            for c, meta in calls:
+                qs, ks, vs = q[c.q_lo : c.q_hi], k[c.k_lo : c.k_hi], v[c.k_lo : c.k_hi]
+                out, lse = kernel.forward(qs, ks, vs, meta, d**-0.5)
+                kernel.backward(do[c.q_lo : c.q_hi], qs, ks, vs, out, lse, meta, d**-0.5)
+
+    return run
+
+
 def _segment_calls(lay: Any, comm: Any, kernel: SegmentKernel, model: ModelSpec,
                    device: torch.device, rand: Callable[..., torch.Tensor],
                    exchanger: Exchanger | None = None) -> Callable[[], None]:
     """Every varlen call of the segments path (segments.py), forward and backward, on
     random local and remote buffers of the rank's sizes (no merges, no copies)."""
-    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
     state = build_segment_state(lay, comm, kernel, device, exchanger)
-    r, f = lay.num_real, len(state.select)
-    q, do = rand(r, h, d, grad=False), rand(r, h, d, grad=False)
-    keys = {False: (rand(r, g, d, grad=False), rand(r, g, d, grad=False)),
-            True: (rand(f, g, d, grad=False), rand(f, g, d, grad=False))}
+    calls = list(zip(state.plan.calls, state.metas, strict=True))
+    return _run_calls(kernel, model, lay.num_real, rand, [
+        ([x for x in calls if not x[0].remote], lay.num_real),
+        ([x for x in calls if x[0].remote], len(state.select))])
 
-    def run() -> None:
-        for c, meta in zip(state.plan.calls, state.metas, strict=True):
-            k, v = keys[c.remote]
-            qs, ks, vs = q[c.q_lo : c.q_hi], k[c.k_lo : c.k_hi], v[c.k_lo : c.k_hi]
-            out, lse = kernel.forward(qs, ks, vs, meta, d**-0.5)
-            kernel.backward(do[c.q_lo : c.q_hi], qs, ks, vs, out, lse, meta, d**-0.5)
 
-    return run
+def _segment_ring_calls(lay: Any, kernel: SegmentKernel, model: ModelSpec, device: torch.device,
+                        rand: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    """Every varlen call of the segment ring (segring.py), forward and backward: the local
+    calls on a random local buffer, every step's calls on a random block of ``T`` rows."""
+    state = build_segment_ring_state(lay, kernel, ring_link(lay, None, None, CommCounter()), device)
+    local = list(zip(state.segments.plan.calls, state.segments.metas, strict=True))
+    ring = [(c, meta) for parts in state.steps for c, meta, _ in parts]
+    return _run_calls(kernel, model, lay.num_real, rand, [(local, lay.num_real), (ring, lay.num_tokens)])
 
 
 def _segments_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
@@ -315,31 +344,40 @@ def _segments_parts(attn: ContextParallelAttention, model: ModelSpec, device: to
     return calls, _split_exchange(ex, model, attn.layout.num_tokens, device, dtype, rand)
 
 
+def _ring_shifts(link: RingLink, model: ModelSpec, num_tokens: int, num_ranks: int,
+                 rand: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    """Both rings' transfers: the 3 (N - 1) shifts (forward K/V, backward K/V and dK/dV)
+    of a ``T``-row block, each waited for."""
+    g, d = model.num_kv_heads, model.head_dim
+    block = (rand(num_tokens, g, d, grad=False), rand(num_tokens, g, d, grad=False))
+
+    def exchange() -> None:
+        for _ in range(3 * (num_ranks - 1)):
+            shift(link, block, "forward").wait()
+
+    return exchange
+
+
+def _segment_ring_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
+                        dtype: torch.dtype, rand: Callable[..., torch.Tensor],
+                        kernel: SegmentKernel) -> Parts:
+    """The segment ring: the local calls and every step's calls; the 3 (N - 1) shifts."""
+    lay = attn.layout
+    link = ring_link(lay, attn.process_group, attn.order, CommCounter())
+    return (_segment_ring_calls(lay, kernel, model, device, rand),
+            _ring_shifts(link, model, lay.num_tokens, lay.num_ranks, rand))
+
+
 def _ring_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
                 dtype: torch.dtype, rand: Callable[..., torch.Tensor]) -> Parts:
     """The ring: the local call and one per step with queries; the 3 (N - 1) shifts (forward
     K/V, backward K/V and dK/dV), each waited for."""
     lay = attn.layout
-    g, d, t = model.num_kv_heads, model.head_dim, lay.num_tokens
+    t = lay.num_tokens
     state = build_ring_state(lay, attn.process_group, attn.order, CommCounter(), device)
     calls = [_call(model, state.local_meta, lay.num_real, lay.num_real, rand)]
     calls += [_call(model, step.meta, len(step.rows), t, rand) for step in state.steps if len(step.rows)]
-    block = (rand(t, g, d, grad=False), rand(t, g, d, grad=False))
-
-    def shift() -> None:
-        works = []
-        for tag, x in enumerate(block):
-            works.append(dist.isend(x, group=state.group, group_dst=state.send_to, tag=tag))
-            works.append(dist.irecv(torch.empty_like(x), group=state.group,
-                                    group_src=state.recv_from, tag=tag))
-        for work in works:
-            work.wait()
-
-    def exchange() -> None:
-        for _ in range(3 * (state.num_ranks - 1)):
-            shift()
-
-    return _all(calls), exchange
+    return _all(calls), _ring_shifts(state.link, model, t, state.num_ranks, rand)
 
 
 def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torch.device,
@@ -347,16 +385,17 @@ def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torc
                         reference_segments: bool = False) -> list[dict[str, Any]]:
     """Per rank of ``plan``, its kernel alone on this one device (wall ms after a
     synchronize), ranks one after another: the kernel term where the plan has more ranks
-    than there are GPUs, on the flash path the runtime would take (segments when flash-attn's
-    varlen API passes its probe, else gathered). Layer, copies and exchange are not
-    measured (None)."""
+    than there are GPUs, on the flash path the runtime would take (segments, or the segment
+    ring for a ring plan, when flash-attn's varlen API passes its probe, else gathered).
+    Layer, copies and exchange are not measured (None)."""
     from worker_runtime import build_comm_map, build_layout
     from worker_runtime.profiler import median_ms
 
     h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
     segment_kernel: SegmentKernel | None = (
         ReferenceSegments() if reference_segments else flash_segments(device, dtype, d))
-    path = "segments" if segment_kernel is not None else "gathered"
+    ring = plan.comm_mode == "p2p_ring"
+    path = ("segment_ring" if ring else "segments") if segment_kernel is not None else "gathered"
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape: int, grad: bool = True) -> torch.Tensor:
@@ -368,10 +407,10 @@ def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torc
         keys = int(lay.cu_seqlens_k[-1])
         ms = 0.0
         if lay.num_real and segment_kernel is not None:
-            mode = "full" if plan.comm_mode == "p2p_ring" else plan.comm_mode
-            comm = build_comm_map(lay, mode)
-            ms = median_ms(_segment_calls(lay, comm, segment_kernel, model, device, rand), device,
-                           repeats=repeats)
+            calls = (_segment_ring_calls(lay, segment_kernel, model, device, rand) if ring else
+                     _segment_calls(lay, build_comm_map(lay, plan.comm_mode), segment_kernel,
+                                    model, device, rand))
+            ms = median_ms(calls, device, repeats=repeats)
         elif lay.num_real:
             meta = build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device)
             q = torch.randn((lay.num_real, h, d), device=device, dtype=dtype, requires_grad=True)

@@ -95,20 +95,23 @@ def test_cpu_smoke_on_the_segments_path(tmp_path):
     # The flash path's harness on CPU: the exact PyTorch segment kernel stands in for flash-attn.
     assert main(["--cpu-smoke", str(tmp_path), "--reference-segments"]) == 0
     doc = json.loads((tmp_path / "model_check.json").read_text())
-    assert {r["path"] for r in doc["records"]} == {"segments"}
+    # Ring plans (ring, zigzag) run as the segment ring, the others on the segments path.
+    assert {r["path"] for r in doc["records"]} == {"segments", "segment_ring"}
     assert all(r["calls"] >= 1 and "pred_layer_ms" in r for r in doc["records"])
-    assert "paths run (plans): segments" in (tmp_path / "model_check.md").read_text()
+    runs = (tmp_path / "model_check.md").read_text().split("paths run (plans): ")[1].split(" (")[0]
+    assert {run.split()[0] for run in runs.split(", ")} == {"segments", "segment_ring"}
 
 
-def test_kernel_only_runs_the_segments_calls():
+@pytest.mark.parametrize(("strategy", "path"), [("flashcp", "segments"), ("zigzag", "segment_ring")])
+def test_kernel_only_runs_the_segments_calls(strategy: str, path: str):
     import torch
 
     model = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype_bytes=4)
-    plan = solve(PlanRequest(doc_lengths=(300, 200, 90), cp_size=3, strategy="zigzag", model=model,
+    plan = solve(PlanRequest(doc_lengths=(300, 200, 90), cp_size=3, strategy=strategy, model=model,
                              kernel="h100-fa2"))
     out = measure_kernel_only(plan, model, 1, torch.device("cpu"), torch.float32, "torch",
                               reference_segments=True)
-    assert [m["path"] for m in out] == ["segments"] * 3
+    assert [m["path"] for m in out] == [path] * 3
     assert all(m["kernel_ms"] > 0 and m["layer_ms"] is None for m in out)
 
 

@@ -15,13 +15,16 @@ Per call, by comm mode and kernel:
   on one copy of the distinct remote KV, log-sum-exp merge, backward mirrored. Needs
   flash-attn's private varlen forward/backward (``segkernels.flash_segments`` checks them
   and falls back to the gathered path with one warning);
+- ``p2p_ring`` where the segments path would run: ``segring.SegmentRingAttention``, the
+  ring's steps with each step's attention as varlen calls reading the received block in
+  place (``segment_ring``);
 - flash-attn, ``flash_path="gathered"`` (or the fallback): exchange (blocking), gather
-  every shard's keys ``[0, e)`` of its doc (``kv_index``), one varlen kernel call.
+  every shard's keys ``[0, e)`` of its doc (``kv_index``), one varlen kernel call; a ring
+  plan runs its bytes as ``full`` there.
 
-A ring plan runs its bytes as ``full`` on both flash paths. ``segment_kernel`` runs the
-segments path with another kernel on any device (the tests pass the exact
-``segkernels.ReferenceSegments``). ``overlap=False`` waits for every exchange right after
-starting it (same arithmetic).
+``segment_kernel`` runs the segments path (or the segment ring) with another kernel on any
+device (the tests pass the exact ``segkernels.ReferenceSegments``). ``overlap=False`` waits
+for every exchange right after starting it (same arithmetic).
 Backward runs the collectives in reverse, so every rank of a group must call backward if
 any does.
 """
@@ -29,6 +32,7 @@ any does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,10 +54,11 @@ from worker_runtime.layout import (
     planned_recv_tokens,
 )
 from worker_runtime.overlap import LeanAttention, LeanState, build_state, local_share
-from worker_runtime.ring import RingAttention, RingState, build_ring_state
+from worker_runtime.ring import RingAttention, build_ring_state, ring_link
 from worker_runtime.safety import CollectiveCheckError, agree, local_input_problem
-from worker_runtime.segattention import SegmentAttention, SegmentState, build_segment_state
+from worker_runtime.segattention import SegmentAttention, build_segment_state
 from worker_runtime.segkernels import SegmentKernel, flash_segments
+from worker_runtime.segring import SegmentRingAttention, build_segment_ring_state
 
 VERIFY = ("first", "always", "never")
 FLASH_PATHS = ("segments", "gathered")
@@ -67,7 +72,7 @@ RUN_MODES = (*COMM_MODES, "p2p_ring")
 
 def resolve_comm_mode(plan: Plan, comm_mode: str | None) -> str:
     """The exchange to run: ``comm_mode`` or the plan's own (``p2p_ring`` runs as a ring on
-    the torch kernel). Raises ValueError for an unknown mode."""
+    the torch kernel and the segments path). Raises ValueError for an unknown mode."""
     mode = comm_mode or plan.comm_mode
     if mode not in RUN_MODES:
         raise ValueError(f"comm_mode must be one of {', '.join(RUN_MODES)} (or the plan's), got {mode!r}")
@@ -79,9 +84,9 @@ class _DeviceState(NamedTuple):
     kv_index: torch.Tensor
     exchanger: Exchanger
     lean: LeanState
-    ring: RingState | None
-    segments: dict[str, SegmentState]
-    """The segments path's state per kernel name (built on first use)."""
+    paths: dict[tuple[str, str], Any]
+    """The ring's, segments path's and segment ring's state per (path, segment kernel
+    name), built on first use."""
 
 
 class ContextParallelAttention:
@@ -123,7 +128,7 @@ class ContextParallelAttention:
             raise ValueError(f"verify must be one of {', '.join(VERIFY)}, got {verify!r}")
         self.plan, self.kernel, self.verify, self.overlap = plan, kernel, verify, bool(overlap)
         self.comm_mode = resolve_comm_mode(plan, comm_mode)
-        # The flash paths and the comm map run a ring's bytes as a full exchange.
+        # The gathered flash path and the comm map run a ring's bytes as a full exchange.
         self.gather_mode = "full" if self.comm_mode == "p2p_ring" else self.comm_mode
         self.counter = counter if counter is not None else CommCounter()
         initialised = dist.is_initialized()
@@ -186,8 +191,8 @@ class ContextParallelAttention:
     def planned_kv_tokens_peak(self) -> int:
         """KV tokens this rank holds at once per layer according to the plan's figures
         (the counter's ``kv_tokens_peak`` after a call on the torch kernel or the segments
-        path; a ring plan runs as ``full`` on the segments path, which holds
-        ``planned_kv_tokens_peak(plan, rank, "full")``)."""
+        path; a ring plan holds the ``p2p_ring`` figure on both, and runs as ``full`` on
+        the gathered flash path)."""
         return planned_kv_tokens_peak(self.plan, self.rank, self.comm_mode)
 
     def local_query_share(self) -> tuple[int, int]:
@@ -226,14 +231,19 @@ class ContextParallelAttention:
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         if path == "segments":
             assert segment_kernel is not None
-            seg = state.segments.get(segment_kernel.name)
-            if seg is None:
-                seg = build_segment_state(lay, self.comm_map, segment_kernel, q.device, state.exchanger)
-                state.segments[segment_kernel.name] = seg
+            seg = self._path_state(state, path, segment_kernel, lambda: build_segment_state(
+                lay, self.comm_map, segment_kernel, q.device, state.exchanger))
             return SegmentAttention.apply(q, k, v, seg, scale, self.overlap)
+        if path == "segment_ring":
+            assert segment_kernel is not None
+            link = ring_link(lay, self.process_group, self.order, self.counter)
+            seg_ring = self._path_state(state, path, segment_kernel, lambda: build_segment_ring_state(
+                lay, segment_kernel, link, q.device))
+            return SegmentRingAttention.apply(q, k, v, seg_ring, scale, self.overlap)
         if path == "ring":
-            assert state.ring is not None
-            return RingAttention.apply(q, k, v, state.ring, scale, self.overlap)
+            ring = self._path_state(state, path, None, lambda: build_ring_state(
+                lay, self.process_group, self.order, self.counter, q.device))
+            return RingAttention.apply(q, k, v, ring, scale, self.overlap)
         if path == "lean":
             return LeanAttention.apply(q, k, v, state.lean, scale, self.overlap)
         kv = torch.stack((k, v), dim=1)
@@ -253,18 +263,20 @@ class ContextParallelAttention:
     __call__ = attention
 
     def execution_path(self, q: torch.Tensor) -> tuple[str, SegmentKernel | None]:
-        """(path, segment kernel) a call with queries like ``q`` runs: ``segments``,
-        ``gathered`` (flash-attn), ``ring`` or ``lean`` (the torch kernel); see the module
-        docstring. Probes flash-attn's private API once per device, dtype and head dim."""
-        if self.segment_kernel is not None:
-            return "segments", self.segment_kernel
-        if uses_flash(q, self.kernel):
+        """(path, segment kernel) a call with queries like ``q`` runs: ``segments`` or
+        ``segment_ring`` (a ``p2p_ring`` plan), ``gathered`` (flash-attn), ``ring`` or
+        ``lean`` (the torch kernel); see the module docstring. Probes flash-attn's private
+        API once per device, dtype and head dim."""
+        ring = self.comm_mode == "p2p_ring"
+        found = self.segment_kernel
+        if found is None and uses_flash(q, self.kernel):
             if self.flash_path == "segments" and q.dim() == 3:
                 found = flash_segments(q.device, q.dtype, q.shape[-1])
-                if found is not None:
-                    return "segments", found
-            return "gathered", None
-        return ("ring" if self.comm_mode == "p2p_ring" else "lean"), None
+            if found is None:
+                return "gathered", None
+        if found is not None:
+            return ("segment_ring" if ring else "segments"), found
+        return ("ring" if ring else "lean"), None
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str) -> None:
         if self.verify == "never" or (self.verify == "first" and self._verified):
@@ -290,18 +302,23 @@ class ContextParallelAttention:
             lay, comm = self.layout, self.comm_map
             position = dist.get_rank(self.process_group) if self.process_group is not None else 0
             exchanger = Exchanger.create(comm, self.process_group, position, self.counter, device)
-            ring = None
-            if self.comm_mode == "p2p_ring":
-                ring = build_ring_state(lay, self.process_group, self.order, self.counter, device)
             self._states[device] = _DeviceState(
                 meta=build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device),
                 kv_index=torch.from_numpy(comm.kv_index).to(device),
                 exchanger=exchanger,
                 lean=build_state(lay, exchanger, device),
-                ring=ring,
-                segments={},
+                paths={},
             )
         return self._states[device]
+
+    @staticmethod
+    def _path_state(state: _DeviceState, path: str, kernel: SegmentKernel | None,
+                    build: Callable[[], Any]) -> Any:
+        """The state of ``path`` with ``kernel`` on ``state``'s device, built once."""
+        key = (path, kernel.name if kernel is not None else "")
+        if key not in state.paths:
+            state.paths[key] = build()
+        return state.paths[key]
 
     def _parent(self) -> Any:
         return self.parent if self.parent is not None else dist.group.WORLD

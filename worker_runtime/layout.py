@@ -32,8 +32,9 @@ from planner_service.core.cost import CommVolumes, kv_tokens_peak, recv_tokens_b
 from planner_service.core.plan import Plan, RankStats, Shard
 
 COMM_MODES = ("full", "compact_allgather", "alltoallv")
-"""Exchanges with a comm map (gathered exchanges); ``p2p_ring`` runs as a ring (``ring.py``),
-whose bytes equal ``full``'s, which is also how the flash-attn path runs it."""
+"""Exchanges with a comm map (gathered exchanges); ``p2p_ring`` runs as a ring (``ring.py``,
+``segring.py``), whose bytes equal ``full``'s, which is also how the gathered flash path
+runs it."""
 
 
 def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -19,10 +19,15 @@ right after starting it.
 K/V held at once: own tokens, the block being attended and the one in flight
 (``cost.kv_tokens_peak`` for ``p2p_ring``). The dK/dV accumulators travel in the input
 dtype (their bytes equal the K/V blocks').
+
+The step loops (:func:`ring_forward`, :func:`ring_backward`: shifts, waits, counter) take
+the kernels as callbacks; ``RingAttention`` runs them with the PyTorch kernel, the flash
+path's segment ring (``segring.py``) with segment kernels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,6 +58,24 @@ def rows_seeing(doc: np.ndarray, pos: np.ndarray, key_doc: np.ndarray, key_pos: 
     return np.flatnonzero((docs[at] == doc) & (first_pos[at] <= pos))
 
 
+class RingLink(NamedTuple):
+    """A rank's place on its group's ring and the counter that books its transfers."""
+
+    group: Any
+    send_to: int
+    recv_from: int
+    """Ranks inside ``group`` of the next and previous slot."""
+    counter: CommCounter
+
+
+def ring_link(layout: RankLayout, group: Any, order: Any, counter: CommCounter) -> RingLink:
+    """``layout``'s rank on the ring (``order[slot]``: the slot's rank inside ``group``;
+    None: slot order)."""
+    n, i = layout.num_ranks, layout.slot
+    ranks = list(order) if order is not None else list(range(n))
+    return RingLink(group, ranks[(i + 1) % n], ranks[(i - 1) % n], counter)
+
+
 class RingStep(NamedTuple):
     rows: torch.Tensor
     """Local query rows that see a key of the step's block."""
@@ -65,11 +88,7 @@ class RingState(NamedTuple):
     local_meta: VarlenMeta
     steps: tuple[RingStep, ...]
     """Step s (1..N-1) at index s - 1: the block of slot ``slot - s``."""
-    group: Any
-    send_to: int
-    recv_from: int
-    """Ranks inside ``group`` of the next and previous slot."""
-    counter: CommCounter
+    link: RingLink
 
 
 def slot_rows(layout: RankLayout, slot: int) -> tuple[np.ndarray, np.ndarray]:
@@ -96,25 +115,83 @@ def build_ring_state(layout: RankLayout, group: Any, order: Any, counter: CommCo
         rows = rows_seeing(doc, pos, key_doc, key_pos)
         meta = build_masked_meta(doc[rows], pos[rows], key_doc, key_pos, device)
         steps.append(RingStep(torch.from_numpy(rows).to(device), meta))
-    ranks = list(order) if order is not None else list(range(n))
     return RingState(
         num_real=r, num_ranks=n, local_meta=build_masked_meta(doc, pos, doc, pos, device),
-        steps=tuple(steps), group=group, send_to=ranks[(i + 1) % n], recv_from=ranks[(i - 1) % n],
-        counter=counter,
+        steps=tuple(steps), link=ring_link(layout, group, order, counter),
     )
 
 
-def _shift(state: RingState, tensors: tuple[torch.Tensor, ...], direction: str) -> Pending:
-    """Send ``tensors`` to the next slot and receive the previous slot's (async)."""
+def shift(link: RingLink, tensors: tuple[torch.Tensor, ...], direction: str) -> Pending:
+    """Send ``tensors`` to the next slot and receive the previous slot's (async); books the
+    bytes sent on the counter."""
     works, bufs = [], []
     for tag, x in enumerate(tensors):
         buf = torch.empty_like(x)
-        works.append(dist.isend(x.contiguous(), group=state.group, group_dst=state.send_to, tag=tag))
-        works.append(dist.irecv(buf, group=state.group, group_src=state.recv_from, tag=tag))
+        works.append(dist.isend(x.contiguous(), group=link.group, group_dst=link.send_to, tag=tag))
+        works.append(dist.irecv(buf, group=link.group, group_src=link.recv_from, tag=tag))
         bufs.append(buf)
     nbytes = sum(x.numel() * x.element_size() for x in tensors)
-    state.counter.add(direction, len(tensors[0]), nbytes)
-    return Pending(works, lambda: tuple(bufs), state.counter, direction, tensors[0].is_cuda)
+    link.counter.add(direction, len(tensors[0]), nbytes)
+    return Pending(works, lambda: tuple(bufs), link.counter, direction, tensors[0].is_cuda)
+
+
+Block = tuple[torch.Tensor, torch.Tensor]
+
+
+def ring_forward(link: RingLink, num_ranks: int, num_real: int, block: Block, overlap: bool,
+                 local: Callable[[], None], step: Callable[[int, Block], None]) -> None:
+    """The forward ring of one rank around its kernels: ``local()`` while the own block
+    (K, V: ``T`` rows) goes to the next slot, then for s = 1 .. N - 1 ``step(s, block)`` on
+    the block of slot ``i - s`` while it travels on (not after the last step). N - 1
+    transfers; the counter holds own + T x (2 if s < N - 1 else 1) rows at step s."""
+    t = len(block[0])
+    pending = shift(link, block, "forward") if num_ranks > 1 else None
+    arrived = pending.wait() if pending is not None and not overlap else None
+    local()
+    link.counter.hold(num_real)
+    for s in range(1, num_ranks):
+        if overlap:
+            arrived = pending.wait()  # type: ignore[union-attr]
+        assert arrived is not None
+        block = arrived
+        pending = shift(link, block, "forward") if s < num_ranks - 1 else None
+        if pending is not None and not overlap:
+            arrived = pending.wait()
+        link.counter.hold(num_real + t * (2 if s < num_ranks - 1 else 1))
+        step(s, block)
+
+
+def ring_backward(link: RingLink, num_ranks: int, block: Block, overlap: bool,
+                  local: Callable[[], None],
+                  step: Callable[[int, Block], Block | None]) -> Pending | Landed | None:
+    """The backward ring: the blocks re-circulate as in :func:`ring_forward` (``local()``,
+    then ``step(s, block)`` returning the block's dK/dV part, ``T`` rows, or None) and a
+    dK/dV accumulator travels with each block, collecting every non-owner's part. The
+    accumulator of the previous step is waited for after this step's kernels. 2 (N - 1)
+    transfers. Returns the own block's accumulator in flight (``wait()`` gives the dK/dV
+    the peers computed for the own rows), or None for a ring of one."""
+    pending = shift(link, block, "backward") if num_ranks > 1 else None
+    arrived = pending.wait() if pending is not None and not overlap else None
+    local()
+    carry: Pending | Landed | None = None
+    k, v = block
+    for s in range(1, num_ranks):
+        if overlap:
+            arrived = pending.wait()  # type: ignore[union-attr]
+        assert arrived is not None
+        block = arrived
+        pending = shift(link, block, "backward") if s < num_ranks - 1 else None
+        if pending is not None and not overlap:
+            arrived = pending.wait()
+        part = step(s, block)
+        # The previous step's accumulator was in flight during this step's kernels.
+        acc = (k.new_zeros(k.shape), v.new_zeros(v.shape)) if carry is None else carry.wait()
+        if part is not None:
+            acc = (acc[0] + part[0].to(k.dtype), acc[1] + part[1].to(v.dtype))
+        carry = shift(link, acc, "backward")
+        if not overlap:
+            carry = Landed(carry.wait())
+    return carry
 
 
 class RingAttention(torch.autograd.Function):
@@ -123,26 +200,21 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 state: RingState, scale: float, overlap: bool) -> torch.Tensor:
-        r, n = state.num_real, state.num_ranks
+        r = state.num_real
         t, h, d = q.shape
-        block: tuple[torch.Tensor, ...] = (k, v)
-        pending = _shift(state, block, "forward") if n > 1 else None
-        if pending is not None and not overlap:
-            arrived = pending.wait()
-        out, lse = attention_forward(q[:r], k[:r], v[:r], state.local_meta, scale)
-        state.counter.hold(r)
-        for s, step in enumerate(state.steps, start=1):
-            if overlap:
-                arrived = pending.wait()  # type: ignore[union-attr]
-            block = arrived
-            pending = _shift(state, block, "forward") if s < n - 1 else None
-            if pending is not None and not overlap:
-                arrived = pending.wait()
-            state.counter.hold(r + t * (2 if s < n - 1 else 1))
-            if len(step.rows):
-                out2, lse2 = attention_forward(q.index_select(0, step.rows), block[0], block[1],
-                                               step.meta, scale)
-                merge_parts(out, lse, step.rows, out2, lse2)
+        found: list[torch.Tensor] = []
+
+        def local() -> None:
+            found.extend(attention_forward(q[:r], k[:r], v[:r], state.local_meta, scale))
+
+        def step(s: int, block: Block) -> None:
+            rows, meta = state.steps[s - 1]
+            if len(rows):
+                out2, lse2 = attention_forward(q.index_select(0, rows), block[0], block[1], meta, scale)
+                merge_parts(found[0], found[1], rows, out2, lse2)
+
+        ring_forward(state.link, state.num_ranks, r, (k, v), overlap, local, step)
+        out, lse = found
         result = torch.cat((out.view(r, h, d).to(q.dtype), q.new_zeros((t - r, h, d))))
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.state, ctx.scale, ctx.overlap = state, scale, overlap
@@ -152,40 +224,29 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, result, lse = ctx.saved_tensors
         state, scale, overlap = ctx.state, ctx.scale, ctx.overlap
-        r, n = state.num_real, state.num_ranks
+        r = state.num_real
         t, h, d = q.shape
         g = k.shape[1]
         cd = lse.dtype
         do = dout[:r].reshape(r, g, h // g, d).to(cd)
         delta = (do * result[:r].view(r, g, h // g, d).to(cd)).sum(dim=-1)
-        block: tuple[torch.Tensor, ...] = (k, v)
-        pending = _shift(state, block, "backward") if n > 1 else None
-        if pending is not None and not overlap:
-            arrived = pending.wait()
-        dq, dk_own, dv_own = attention_backward(do, q[:r], k[:r], v[:r], lse, delta,
-                                                state.local_meta, scale)
-        carry: Pending | _Done | None = None
-        for s, step in enumerate(state.steps, start=1):
-            if overlap:
-                arrived = pending.wait()  # type: ignore[union-attr]
-            block = arrived
-            pending = _shift(state, block, "backward") if s < n - 1 else None
-            if pending is not None and not overlap:
-                arrived = pending.wait()
-            rows = step.rows
-            if len(rows):
-                dq2, dk_b, dv_b = attention_backward(
-                    do.index_select(0, rows), q.index_select(0, rows), block[0], block[1],
-                    lse.index_select(0, rows), delta.index_select(0, rows), step.meta, scale)
-                dq.index_add_(0, rows, dq2)
-            # The previous step's accumulator was in flight during this step's kernel.
-            acc = (k.new_zeros(k.shape), v.new_zeros(v.shape)) if carry is None else carry.wait()
-            if len(rows):
-                acc = (acc[0] + dk_b.to(k.dtype), acc[1] + dv_b.to(v.dtype))
-            carry = _shift(state, acc, "backward")
-            if not overlap:
-                done = carry.wait()
-                carry = _Done(done)
+        found: list[torch.Tensor] = []
+
+        def local() -> None:
+            found.extend(attention_backward(do, q[:r], k[:r], v[:r], lse, delta, state.local_meta, scale))
+
+        def step(s: int, block: Block) -> Block | None:
+            rows, meta = state.steps[s - 1]
+            if not len(rows):
+                return None
+            dq2, dk_b, dv_b = attention_backward(
+                do.index_select(0, rows), q.index_select(0, rows), block[0], block[1],
+                lse.index_select(0, rows), delta.index_select(0, rows), meta, scale)
+            found[0].index_add_(0, rows, dq2)
+            return dk_b, dv_b
+
+        carry = ring_backward(state.link, state.num_ranks, (k, v), overlap, local, step)
+        dq, dk_own, dv_own = found
         dk = torch.cat((dk_own.to(k.dtype), k.new_zeros((t - r, *k.shape[1:]))))
         dv = torch.cat((dv_own.to(v.dtype), v.new_zeros((t - r, *v.shape[1:]))))
         if carry is not None:
@@ -195,8 +256,8 @@ class RingAttention(torch.autograd.Function):
         return dq_full, dk, dv, None, None, None
 
 
-class _Done:
-    """A transfer that has already landed (overlap off)."""
+class Landed:
+    """A transfer that has already landed (overlap off): ``wait()`` gives its value."""
 
     def __init__(self, value: Any) -> None:
         self.value = value

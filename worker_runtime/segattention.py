@@ -40,6 +40,7 @@ Copies before the kernel, and why:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -70,19 +71,35 @@ class SegmentState(NamedTuple):
     """The same rows in the receive buffer (peers only): where dK/dV go back from."""
 
 
-def build_segment_state(layout: RankLayout, comm: CommMap, kernel: SegmentKernel,
-                        device: torch.device, exchanger: Exchanger | None = None) -> SegmentState:
-    plan = build_segment_plan(layout, comm)
+Part = tuple[SegmentCall, SegmentMeta, torch.Tensor | None]
+"""One call with its kernel metadata and its hollow query rows (relative; None if none)."""
+
+
+def call_parts(kernel: SegmentKernel, calls: tuple[SegmentCall, ...],
+               device: torch.device) -> tuple[Part, ...]:
+    """Each call's kernel metadata and hollow rows on ``device`` (O(rows) per call)."""
+    return tuple(
+        (c, kernel.meta(c.cu_q, c.cu_k, c.causal, device),
+         torch.from_numpy(c.empty.astype(np.int64)).to(device) if len(c.empty) else None)
+        for c in calls)
+
+
+def build_segment_state(layout: RankLayout, comm: CommMap | None, kernel: SegmentKernel,
+                        device: torch.device, exchanger: Exchanger | None = None,
+                        plan: SegmentPlan | None = None) -> SegmentState:
+    """One rank's state; ``comm=None``: the local calls alone (``plan``: the rank's
+    ``build_segment_plan(layout, comm)`` when already built)."""
+    plan = build_segment_plan(layout, comm) if plan is None else plan
 
     def tensor(x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
 
-    remote_rows = comm.remote_index[plan.remote_order]
+    remote_rows = comm.remote_index[plan.remote_order] if comm is not None else plan.remote_order
     select = exchanger.gathered_row(remote_rows) if exchanger is not None else remote_rows
+    parts = call_parts(kernel, plan.calls, device)
     return SegmentState(
-        plan=plan, kernel=kernel,
-        metas=tuple(kernel.meta(c.cu_q, c.cu_k, c.causal, device) for c in plan.calls),
-        empty=tuple(tensor(c.empty) if len(c.empty) else None for c in plan.calls),
+        plan=plan, kernel=kernel, metas=tuple(m for _, m, _ in parts),
+        empty=tuple(e for _, _, e in parts),
         local_rows=None if plan.in_place else tensor(plan.local_rows),
         num_real=layout.num_real, exchanger=exchanger, select=tensor(select),
         recv_index=tensor(remote_rows),
@@ -104,9 +121,25 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lo: torch.Tens
     lse.copy_(new)
 
 
-def _calls(state: SegmentState, remote: bool) -> list[tuple[SegmentCall, SegmentMeta, Any]]:
+def _calls(state: SegmentState, remote: bool) -> list[Part]:
     return [(c, m, e) for c, m, e in zip(state.plan.calls, state.metas, state.empty, strict=True)
             if c.remote == remote]
+
+
+def forward_parts(kernel: SegmentKernel, parts: Sequence[Part], q_loc: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  scale: float) -> None:
+    """Run ``parts`` on queries ``q_loc`` (local buffer) and one key buffer; a causal
+    call's result sets its rows of ``out``, ``lse`` (``A(j, j)``: the group's first call,
+    over all of its rows), every other call's merges into them by log-sum-exp."""
+    for c, meta, empty in parts:
+        o, lo = kernel.forward(q_loc[c.q_lo : c.q_hi], keys[c.k_lo : c.k_hi],
+                               values[c.k_lo : c.k_hi], meta, scale)
+        if c.causal:
+            out[c.q_lo : c.q_hi] = o
+            lse[:, c.q_lo : c.q_hi] = lo
+        else:
+            _merge(out[c.q_lo : c.q_hi], lse[:, c.q_lo : c.q_hi], o, lo, empty)
 
 
 def forward_local(state: SegmentState, q_loc: torch.Tensor, k_loc: torch.Tensor,
@@ -116,24 +149,32 @@ def forward_local(state: SegmentState, q_loc: torch.Tensor, k_loc: torch.Tensor,
     acc = accumulator_dtype(q_loc.dtype)
     out = q_loc.new_zeros((r, h, d), dtype=acc)
     lse = q_loc.new_zeros((h, r), dtype=acc)
-    for c, meta, empty in _calls(state, remote=False):
-        o, lo = state.kernel.forward(q_loc[c.q_lo : c.q_hi], k_loc[c.k_lo : c.k_hi],
-                                     v_loc[c.k_lo : c.k_hi], meta, scale)
-        if c.causal:  # A(j, j): the group's first call, over all of its rows
-            out[c.q_lo : c.q_hi] = o
-            lse[:, c.q_lo : c.q_hi] = lo
-        else:
-            _merge(out[c.q_lo : c.q_hi], lse[:, c.q_lo : c.q_hi], o, lo, empty)
+    forward_parts(state.kernel, _calls(state, remote=False), q_loc, k_loc, v_loc, out, lse, scale)
     return out, lse
 
 
 def forward_remote(state: SegmentState, q_loc: torch.Tensor, k_far: torch.Tensor,
                    v_far: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
     """The remote calls, merged into ``out`` and ``lse`` in place."""
-    for c, meta, empty in _calls(state, remote=True):
-        o, lo = state.kernel.forward(q_loc[c.q_lo : c.q_hi], k_far[c.k_lo : c.k_hi],
-                                     v_far[c.k_lo : c.k_hi], meta, scale)
-        _merge(out[c.q_lo : c.q_hi], lse[:, c.q_lo : c.q_hi], o, lo, empty)
+    forward_parts(state.kernel, _calls(state, remote=True), q_loc, k_far, v_far, out, lse, scale)
+
+
+def backward_parts(kernel: SegmentKernel, parts: Sequence[Part], do_loc: torch.Tensor,
+                   q_loc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   out_loc: torch.Tensor, lse: torch.Tensor, scale: float, dq: torch.Tensor,
+                   dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Gradients of ``parts`` (given the merged ``out_loc``, ``lse``), added into ``dq``
+    (buffer order, hollow rows' undefined parts dropped) and the key buffer's ``dk``,
+    ``dv`` (rows ``[k_lo, k_hi)`` of each call)."""
+    for c, meta, empty in parts:
+        q0, q1, k0, k1 = c.q_lo, c.q_hi, c.k_lo, c.k_hi
+        gq, gk, gv = kernel.backward(do_loc[q0:q1], q_loc[q0:q1], keys[k0:k1], values[k0:k1],
+                                     out_loc[q0:q1], lse[:, q0:q1], meta, scale)
+        if empty is not None:
+            gq = gq.index_fill(0, empty, 0.0)
+        dq[q0:q1] += gq
+        dk[k0:k1] += gk
+        dv[k0:k1] += gv
 
 
 def backward_calls(state: SegmentState, remote: bool, do_loc: torch.Tensor, q_loc: torch.Tensor,
@@ -142,15 +183,8 @@ def backward_calls(state: SegmentState, remote: bool, do_loc: torch.Tensor, q_lo
                    dv: torch.Tensor) -> None:
     """Gradients of the local or remote calls, added into ``dq`` (buffer order) and the key
     buffer's ``dk``, ``dv``."""
-    for c, meta, empty in _calls(state, remote):
-        q0, q1, k0, k1 = c.q_lo, c.q_hi, c.k_lo, c.k_hi
-        gq, gk, gv = state.kernel.backward(do_loc[q0:q1], q_loc[q0:q1], keys[k0:k1],
-                                           values[k0:k1], out_loc[q0:q1], lse[:, q0:q1], meta, scale)
-        if empty is not None:
-            gq = gq.index_fill(0, empty, 0.0)
-        dq[q0:q1] += gq
-        dk[k0:k1] += gk
-        dv[k0:k1] += gv
+    backward_parts(state.kernel, _calls(state, remote), do_loc, q_loc, keys, values, out_loc,
+                   lse, scale, dq, dk, dv)
 
 
 def to_buffer(x: torch.Tensor, state: SegmentState) -> torch.Tensor:

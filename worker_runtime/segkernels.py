@@ -24,8 +24,9 @@ Contract (shape legend as ``kernels.py``: T query rows, K key rows, H heads, G K
   varlen layout ``[H, T]``.
 - ``backward(dout, q, k, v, out, lse, meta, scale) -> (dq, dk, dv)``: ``out`` and ``lse``
   are the merged ones, so the gradients of the parts add up (the ring-attention identity).
-- A query that sees no key (an empty key segment) has undefined out, lse and dq (flash:
-  0, +inf; reference: NaN, -inf): the caller masks them.
+- A query that sees no key (an empty key segment, a *hollow* segment) has undefined out,
+  lse and dq (flash: 0, +inf; reference: NaN, -inf): the caller masks them. A segment
+  with keys and no queries (a *zero-query* segment) gives its keys dK = dV = 0.
 """
 
 from __future__ import annotations
@@ -216,37 +217,58 @@ PROBE_TOL = 5e-2
 relative to the reference's largest magnitude (at least 1)."""
 
 
+PROBE_CALLS = (
+    (np.array([0, 3, 5]), np.array([0, 4, 9]), True),
+    (np.array([0, 3, 5]), np.array([0, 4, 9]), False),
+    (np.array([0, 2, 2, 5, 6]), np.array([0, 3, 7, 7, 9]), False),
+)
+"""(cu_q, cu_k, causal) of the probe's calls: a causal and a full call, then a full call
+with a zero-query segment (keys 3..6) and a hollow segment (queries 2..4, no keys), as the
+segment ring runs them."""
+
+
 def probe(kernel: SegmentKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
-    """Run ``kernel`` on a tiny GQA problem (one causal and one full call, forward and
-    backward) against the reference in float32; raise FlashApiError on any difference in
-    shapes, dtypes or values beyond PROBE_TOL."""
+    """Run ``kernel`` on tiny GQA problems (PROBE_CALLS, forward and backward) against the
+    reference in float32; raise FlashApiError on any difference in shapes, dtypes or
+    values beyond PROBE_TOL. Rows of hollow segments are compared nowhere (the caller masks
+    them; backward gets a finite merged out/lse there, as after a merge), the dK/dV of a
+    zero-query segment's keys must be 0."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    cu_q, cu_k = np.array([0, 3, 5]), np.array([0, 4, 9])
     scale = head_dim**-0.5
     ref = ReferenceSegments()
-    for causal in (True, False):
+    for cu_q, cu_k, causal in PROBE_CALLS:
+        nq, nk = int(cu_q[-1]), int(cu_k[-1])
+        seen = torch.from_numpy(np.repeat(np.diff(cu_k) > 0, np.diff(cu_q))).to(device)
         q, k, v, do = (torch.randn(n, h, head_dim, generator=gen).to(device=device, dtype=dtype)
-                       for n, h in ((5, 2), (9, 1), (9, 1), (5, 2)))
+                       for n, h in ((nq, 2), (nk, 1), (nk, 1), (nq, 2)))
+        where = f"causal={causal}, cu_q={cu_q.tolist()}, cu_k={cu_k.tolist()}"
         try:
             meta, ref_meta = kernel.meta(cu_q, cu_k, causal, device), ref.meta(cu_q, cu_k, causal, device)
             out, lse = kernel.forward(q, k, v, meta, scale)
             want_out, want_lse = ref.forward(q.float(), k.float(), v.float(), ref_meta, scale)
-            if out.shape != q.shape or lse.shape != (2, 5) or lse.dtype != torch.float32:
+            if out.shape != q.shape or lse.shape != (2, nq) or lse.dtype != torch.float32:
                 raise FlashApiError(f"forward returned out {tuple(out.shape)}, lse "
-                                    f"{tuple(lse.shape)} {lse.dtype}; expected {tuple(q.shape)}, (2, 5) float32")
-            grads = kernel.backward(do, q, k, v, out, lse, meta, scale)
-            want = ref.backward(do.float(), q.float(), k.float(), v.float(), out.float(), lse,
-                                ref_meta, scale)
+                                    f"{tuple(lse.shape)} {lse.dtype}; expected {tuple(q.shape)}, "
+                                    f"(2, {nq}) float32 ({where})")
+            # A merged out/lse is finite on every row: stand in the reference's on rows
+            # with keys, zeros on hollow rows.
+            merged_out = torch.where(seen[:, None, None], want_out, 0.0)
+            merged_lse = torch.where(seen[None, :], want_lse, 0.0)
+            grads = kernel.backward(do, q, k, v, merged_out.to(dtype), merged_lse, meta, scale)
+            want = ref.backward(do.float(), q.float(), k.float(), v.float(), merged_out,
+                                merged_lse, ref_meta, scale)
         except FlashApiError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the private API disables it
-            raise FlashApiError(f"probe call failed: {type(exc).__name__}: {exc}") from exc
-        pairs = [("out", out, want_out), ("lse", lse, want_lse)]
-        pairs += list(zip(("dq", "dk", "dv"), grads, want, strict=True))
+            raise FlashApiError(f"probe call failed ({where}): {type(exc).__name__}: {exc}") from exc
+        pairs = [("out", out[seen], want_out[seen]), ("lse", lse[:, seen], want_lse[:, seen]),
+                 ("dq", grads[0][seen], want[0][seen])]
+        pairs += list(zip(("dk", "dv"), grads[1:], want[1:], strict=True))
         for name, got, exp in pairs:
-            err = (got.float() - exp.float()).abs().max().item()
-            if not err <= PROBE_TOL * max(1.0, exp.abs().max().item()):
-                raise FlashApiError(f"probe: {name} differs from the reference by {err:.3g} (causal={causal})")
+            err = (got.float() - exp.float()).abs().max().item() if exp.numel() else 0.0
+            scale_ref = max(1.0, exp.abs().max().item() if exp.numel() else 0.0)
+            if not err <= PROBE_TOL * scale_ref:
+                raise FlashApiError(f"probe: {name} differs from the reference by {err:.3g} ({where})")
 
 
 _FLASH: dict[tuple[str, torch.dtype, int], FlashSegments | None] = {}

@@ -91,8 +91,10 @@ def _cumsum0(x: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(x))).astype(np.int64)
 
 
-def build_segment_plan(layout: RankLayout, comm: CommMap) -> SegmentPlan:
-    """Buffers and calls of ``layout``'s rank for the distinct remote KV of ``comm``.
+def build_segment_plan(layout: RankLayout, comm: CommMap | None) -> SegmentPlan:
+    """Buffers and calls of ``layout``'s rank for the distinct remote KV of ``comm``;
+    ``comm=None``: the local buffer and the local calls alone (no remote buffer, no remote
+    calls; the segment ring, ``segring.py``, reads remote keys from the ring's blocks).
 
     O(S log S + M S) numpy for S shards on the rank and M the most shards of one document
     here; nothing loops over tokens.
@@ -136,6 +138,15 @@ def build_segment_plan(layout: RankLayout, comm: CommMap) -> SegmentPlan:
     local_rows = expand_ranges(row[by_doc][buf], length[by_doc][buf])
     in_place = bool(np.array_equal(local_rows, np.arange(len(local_rows))))
     group_bounds = _cumsum0(len_tab.sum(axis=1))
+    local_calls = [
+        SegmentCall(False, i == j, j, i, int(group_bounds[j]), int(group_bounds[j + 1]),
+                    int(group_bounds[i]), int(group_bounds[i]) + int(len_tab[i, : docs_with[j]].sum()),
+                    _cumsum0(len_tab[j, : docs_with[j]]).astype(np.int32),
+                    _cumsum0(len_tab[i, : docs_with[j]]).astype(np.int32), empty)
+        for j in range(num_pieces) for i in [j, *range(j)]
+    ]
+    if comm is None:
+        return SegmentPlan(local_rows, in_place, group_bounds, empty, tuple(local_calls), docs[doc_order])
 
     # Remote buffer: per (gap, doc rank), the remote tokens of [prev_end, start), located in
     # the comm map's (doc, position)-sorted distinct remote arrays.
@@ -149,18 +160,11 @@ def build_segment_plan(layout: RankLayout, comm: CommMap) -> SegmentPlan:
     assert len(remote_order) == len(comm.remote_index), "the gaps are the distinct remote KV"
     remote_bounds = _cumsum0(gap_tab.sum(axis=1))
 
-    local_calls: list[SegmentCall] = []
     remote_calls: list[SegmentCall] = []
     for j in range(num_pieces):
         n = int(docs_with[j])
         cu_q = _cumsum0(len_tab[j, :n])
         q_lo = int(group_bounds[j])
-        for i in [j, *range(j)]:
-            cu_k = _cumsum0(len_tab[i, :n])
-            k_lo = int(group_bounds[i])
-            local_calls.append(SegmentCall(
-                False, i == j, j, i, q_lo, q_lo + int(cu_q[-1]), k_lo, k_lo + int(cu_k[-1]),
-                cu_q.astype(np.int32), cu_k.astype(np.int32), empty))
         for i in range(j + 1):
             gaps = gap_tab[i, :n]
             nonzero = np.flatnonzero(gaps)

@@ -4,7 +4,8 @@ Same layouts, comm maps and kernels as the distributed runtime; only the collect
 replaced by reading the peers' buffers directly, so one process (or one GPU) can check a
 whole plan against the reference and time every rank's kernel (ring-flash-attention's
 tests loop their shard metadata over every rank the same way). ``simulate_plan`` runs the
-gathered path (one varlen call per rank); ``simulate_segments`` the flash path's calls.
+gathered path (one varlen call per rank); ``simulate_segments`` the flash path's calls;
+``simulate_segment_ring`` the segment ring's calls (``segring.py``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import numpy as np
 import torch
 
 from planner_service.core.plan import Plan
+from worker_runtime.comm import CommCounter
 from worker_runtime.dispatch import dispatch, undispatch
 from worker_runtime.kernels import build_meta, varlen_attention
 from worker_runtime.layout import CommMap, RankLayout, build_comm_map, build_layout
+from worker_runtime.ring import ring_link
 from worker_runtime.segattention import LocalSegmentAttention, build_segment_state
 from worker_runtime.segkernels import SegmentKernel
+from worker_runtime.segring import LocalSegmentRingAttention, build_segment_ring_state
 
 
 class Simulated(NamedTuple):
@@ -109,4 +113,33 @@ def simulate_segments(
         far = torch.from_numpy(far_np[state.plan.remote_order]).to(q.device)
         o = LocalSegmentAttention.apply(q[rows], k[rows], v[rows], k[far], v[far], state, scale)
         out = out.index_add(0, rows, o)
+    return out
+
+
+def simulate_segment_ring(
+    plan: Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel: SegmentKernel,
+    *,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """The segment ring's calls (``segring.LocalSegmentRingAttention``) for every rank on
+    global packed q ``[S, H, D]``, k, v ``[S, G, D]``; the block of step s is read from
+    the global K and V as slot ``i - s``'s local rows (what the ring delivers), whatever
+    the plan's comm mode. Returns the global output; differentiable end to end."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    layouts = [build_layout(plan, r) for r in range(plan.cp_size)]
+    out = q.new_zeros(q.shape)
+    for lay in layouts:
+        if lay.group_index < 0:
+            continue
+        n = lay.num_ranks
+        state = build_segment_ring_state(lay, kernel, ring_link(lay, None, None, CommCounter()), q.device)
+        owners = [layouts[lay.group_ranks[(lay.slot - s) % n]] for s in range(n)]
+        k_blocks = torch.stack([dispatch(o, k) for o in owners])
+        v_blocks = torch.stack([dispatch(o, v) for o in owners])
+        o = LocalSegmentRingAttention.apply(dispatch(lay, q), k_blocks, v_blocks, state, scale)
+        out = out + undispatch(lay, o)
     return out
