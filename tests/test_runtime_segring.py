@@ -36,6 +36,7 @@ from timing import scaled
 
 from planner_service.core.build import GroupLayout, Layout, build_plan
 from planner_service.core.plan import Plan, Shard
+from planner_service.core.segment_ring_work import segment_ring_calls
 from planner_service.core.request import PlanRequest
 from planner_service.core.validate import validate_plan
 from planner_service.solvers.registry import solve
@@ -134,6 +135,26 @@ def test_ring_calls_cover_every_document_mask_pair_exactly_once(seed: int, cp_si
                 classes = sum(len(g.classes) - 1 for g in query_groups(lay, ring.local))
                 assert len(ring.steps[step - 1]) <= classes
             assert sorted(got) == mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**6), st.integers(2, 8), st.sampled_from(SOURCES))
+def test_the_models_ring_calls_are_the_runtimes(seed: int, cp_size: int, source: str) -> None:
+    """core/segment_ring_work.segment_ring_calls (what the step-time model prices) lists,
+    per rank and step, the runtime's calls: same query group, first query and key row,
+    and query and key rows per segment."""
+    plan = source_plan(seed, cp_size, source)
+    for group in plan.groups:
+        n = len(group.ranks)
+        for slot, rank in enumerate(group.ranks):
+            ring = build_segment_ring_plan(build_layout(plan, rank))
+            blocks = [group.shards[(slot - s) % n] for s in range(1, n)]
+            model = segment_ring_calls(group.shards[slot], blocks)
+            for step, (runtime_calls, model_calls) in enumerate(zip(ring.steps, model, strict=True), 1):
+                got = [(c.group, c.q_lo, c.k_lo, tuple(np.diff(c.cu_q).tolist()),
+                        tuple(np.diff(c.cu_k).tolist())) for c in runtime_calls]
+                want = [(c.group, c.q_lo, c.k_lo, c.queries, c.keys) for c in model_calls]
+                assert got == want, f"rank {rank}, step {step}"
 
 
 def test_worked_example_has_hollow_and_zero_query_segments() -> None:
