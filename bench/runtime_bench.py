@@ -19,8 +19,10 @@ per rank, and overlapped / ring execution over gloo.
    the same plans run with overlap off and on, ring plans also as an all-gather: one
    layer's forward + backward time, the time the kernel waited for an exchange (exposed),
    peak KV bytes per rank, and the share of queries whose keys are all local (what
-   overlap can hide). CPU: gloo, torch kernel; ``--device cuda``: NCCL, the torch kernel
-   (flash-attn's varlen format has no overlapped path), skipped without enough GPUs.
+   overlap can hide). CPU: gloo, the torch kernel in float32 with small heads
+   (``EXEC_MODEL``); ``--device cuda``: NCCL, one GPU per rank, the runtime's default
+   kernel (flash-attn's segments path and segment ring where flash-attn is installed) in
+   bf16 with Llama-3-8B heads (``CUDA_EXEC_MODEL``); N without enough GPUs is skipped.
 """
 
 from __future__ import annotations
@@ -165,6 +167,15 @@ def memory_table(num_seq: int, cp: int) -> list[str]:
 
 EXEC_MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype_bytes=4)
 """Small heads so a 32K layer runs in seconds on one CPU thread (float32)."""
+CUDA_EXEC_MODEL = ModelSpec(num_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+"""Llama-3-8B's attention heads in bf16 (CUDA)."""
+
+
+def exec_setup(device: str) -> tuple[ModelSpec, str, torch.dtype]:
+    """(model, kernel, dtype) the execution benchmark runs on ``device``."""
+    if device == "cpu":
+        return EXEC_MODEL, "torch", torch.float32
+    return CUDA_EXEC_MODEL, "auto", torch.bfloat16
 
 
 def exec_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]], repeats: int,
@@ -174,14 +185,15 @@ def exec_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]], 
     import torch.distributed as dist
 
     dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
+    m, kernel, dtype = exec_setup(device)
     out = []
     for ci, (text, mode, overlap) in enumerate(cases):
         plan = Plan.from_json(text)
-        attn = ContextParallelAttention(plan, comm_mode=mode, overlap=overlap, kernel="torch")
+        attn = ContextParallelAttention(plan, comm_mode=mode, overlap=overlap, kernel=kernel)
         gen = torch.Generator().manual_seed(1000 * ci + rank)
-        t, m = attn.num_tokens, EXEC_MODEL
-        q, dout = (torch.randn(t, m.num_heads, m.head_dim, generator=gen).to(dev) for _ in range(2))
-        k, v = (torch.randn(t, m.num_kv_heads, m.head_dim, generator=gen).to(dev) for _ in range(2))
+        t = attn.num_tokens
+        q, dout = (torch.randn(t, m.num_heads, m.head_dim, generator=gen).to(dev, dtype) for _ in range(2))
+        k, v = (torch.randn(t, m.num_kv_heads, m.head_dim, generator=gen).to(dev, dtype) for _ in range(2))
         runs = []
         for i in range(repeats + 1):
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -205,7 +217,8 @@ def execution_table(cps: tuple[int, ...], num_seq: int, context: int, repeats: i
     lines = ["| N | seq | plan | run as | overlap | fwd+bwd ms | exposed exchange ms | "
              "KV MiB moved | peak KV MiB per rank | local query share |",
              "|---:|---:|---|---|---|---:|---:|---:|---:|---:|"]
-    row_bytes = EXEC_MODEL.kv_bytes_per_token
+    model = exec_setup(device)[0]
+    row_bytes = model.kv_bytes_per_token
     for cp in cps:
         if device == "cuda" and torch.cuda.device_count() < cp:
             lines.append(f"| {cp} | | skipped: {torch.cuda.device_count()} CUDA device(s), needs {cp} |"
@@ -215,7 +228,7 @@ def execution_table(cps: tuple[int, ...], num_seq: int, context: int, repeats: i
         for si, seq in enumerate(sequences("wlbllm", num_seq, context)):
             for strategy, modes in (("flashcp", (None,)), ("zigzag", ("full", "p2p_ring"))):
                 plan = solve(PlanRequest(doc_lengths=tuple(seq), cp_size=cp, strategy=strategy,
-                                         model=EXEC_MODEL))
+                                         model=model))
                 for mode in modes:
                     for overlap in (False, True):
                         cases.append((plan.to_json(), mode or plan.comm_mode, overlap))
@@ -240,6 +253,7 @@ def execution_main(args: argparse.Namespace) -> None:
         print("skipped: --device cuda needs CUDA (torch.cuda.is_available() is False); nothing written")
         return
     load = os.getloadavg()
+    exec_model, exec_kernel, exec_dtype = exec_setup(args.device)
     command = (f".venv/bin/python -m bench.runtime_bench --execution --device {args.device} "
                f"--exec-sequences {args.exec_sequences} --exec-repeats {args.exec_repeats} --memory-sequences "
                f"{args.memory_sequences}")
@@ -265,8 +279,9 @@ def execution_main(args: argparse.Namespace) -> None:
         "",
         f"## One layer forward + backward, WLB-LLM {CONTEXT_32K} tokens, {args.exec_sequences} sequences",
         "",
-        f"Model: {EXEC_MODEL.num_heads} heads, {EXEC_MODEL.num_kv_heads} KV heads x {EXEC_MODEL.head_dim}, "
-        "float32, torch kernel. fwd+bwd: median over "
+        f"Model: {exec_model.num_heads} heads, {exec_model.num_kv_heads} KV heads x "
+        f"{exec_model.head_dim}, {exec_dtype}, kernel {exec_kernel!r} (cuda 'auto': flash-attn's "
+        "segments path and segment ring where installed). fwd+bwd: median over "
         f"{args.exec_repeats} repeats of the slowest rank; exposed exchange: time blocked waiting for the",
         "exchange (forward + backward), slowest rank; KV moved: forward + backward bytes of the rank",
         "that moves most (a ring's backward re-circulates K/V and carries dK/dV: twice the forward);",
