@@ -4,8 +4,9 @@
 
 1. ``pytest -m gpu`` on the runtime's kernel tests: flash-attn forward and backward in
    bf16 against the float64 reference (TransformerEngine's CP tolerance, 2.5e-2), on the
-   gathered path (one call per rank) and the segments path (flash-attn's private varlen
-   forward/backward per call, merged by log-sum-exp).
+   gathered path (one call per rank), the segments path (flash-attn's private varlen
+   forward/backward per call, merged by log-sum-exp) and the segment ring (a ring plan's
+   steps on the same calls, zero-query segments included).
 2. FlashCP's Figure 3 effect: per-rank forward+backward kernel time of per_doc vs flashcp
    plans, ranks run one after another on this GPU, for one 128K doc and for 16 docs of 8K
    (Llama-3-8B attention shape, bf16, N = 8).
@@ -65,7 +66,7 @@ def run_gpu_tests() -> dict:
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests/test_runtime_kernels.py",
-         "tests/test_runtime_segments.py"],
+         "tests/test_runtime_segments.py", "tests/test_runtime_segring.py"],
         capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
     )
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
