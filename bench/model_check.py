@@ -42,7 +42,9 @@
    exchange of core/step_time.py under the fitted profile.
 4. Report: median and p90 absolute relative error, Spearman correlation of predicted vs
    measured over held-out plans, and per held-out batch whether the strategy the model
-   ranks fastest is measured fastest or within 3% of it. Writes ``model_check.md``,
+   ranks fastest is measured fastest or within 3% of it, with the model's margin (how much
+   slower it predicts the runner-up), beside the measurement's noise floor (how far apart
+   the ranks of one plan measure per attention pair). Writes ``model_check.md``,
    ``model_check.json`` (every record with its prediction), ``model_check.png`` (scatter)
    and ``model_check_profile.json`` (the fitted profile).
 """
@@ -586,12 +588,14 @@ def validate(batches: list[dict[str, Any]], records: list[dict[str, Any]], kerne
         plans += rows
         held = [r for r in rows if r["held_out"]]
         if len(held) >= 2:
-            best_pred = min(held, key=lambda r: r["predicted_ms"])
+            ranked = sorted(held, key=lambda r: r["predicted_ms"])
+            best_pred = ranked[0]
             fastest = min(r["measured_ms"] for r in held)
             batch_rows.append({
                 "batch": bi, "dataset": b["dataset"], "n": b["n"], "model_fastest": best_pred["strategy"],
                 "measured_fastest": min(held, key=lambda r: r["measured_ms"])["strategy"],
                 "gap": best_pred["measured_ms"] / fastest - 1.0,
+                "margin": ranked[1]["predicted_ms"] / best_pred["predicted_ms"] - 1.0,
             })
     held = [p for p in plans if p["held_out"]]
     errors = [abs(p["rel_error"]) for p in held]
@@ -615,6 +619,20 @@ def term_errors(records: list[dict[str, Any]]) -> dict[str, float]:
                 if r["batch"] % 2 == 1 and r.get(term) and pred in r]
         out[term] = float(np.median(errs)) if errs else float("nan")
     return out
+
+
+def rank_spread(records: list[dict[str, Any]]) -> tuple[float, float]:
+    """The measurement's noise floor: per plan with two or more ranks that compute, the
+    ratio of its ranks' largest to smallest kernel time per attention pair, minus 1
+    (the same kernel code on nearly equal work); median and p90 over plans."""
+    per_plan: dict[tuple[int, str], list[float]] = {}
+    for r in records:
+        if r.get("kernel_ms") and r.get("pairs"):
+            per_plan.setdefault((r["batch"], r["strategy"]), []).append(r["kernel_ms"] / r["pairs"])
+    spread = [max(v) / min(v) - 1.0 for v in per_plan.values() if len(v) > 1]
+    if not spread:
+        return float("nan"), float("nan")
+    return float(np.median(spread)), float(np.percentile(spread, 90))
 
 
 def scatter(path: Path, plans: list[dict[str, Any]], title: str) -> None:
@@ -710,7 +728,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(
         seconds=time.perf_counter() - start, plan_seconds=plan_seconds, load_start=load_start,
         load_end=os.getloadavg(), records=records, fit=profile_document(fitted),
-        terms=term_errors(records), num_plans=sum(1 for _ in measured), num_runs=runs,
+        terms=term_errors(records), spread=rank_spread(records), num_plans=sum(1 for _ in measured), num_runs=runs,
         paths={p: sum(1 for b in batches for q in b.get("paths", {}).values() if q == p)
                for p in sorted({q for b in batches for q in b.get("paths", {}).values()})},
         skipped=[f"{b['dataset']} N={b['n']} #{b['sequence']}: {s}: {why}"
@@ -768,6 +786,12 @@ def write_outputs(args: argparse.Namespace, r: dict[str, Any], model: ModelSpec)
         "Median abs rel error per term on held-out ranks: "
         + ", ".join(f"{t} {e:.1%}" for t, e in r["terms"].items()) + ".",
         "",
+        f"Noise floor: the ranks of one plan, running the same kernel on nearly equal work, "
+        f"differ by {r['spread'][0]:.1%} (median over plans; p90 {r['spread'][1]:.1%}) in kernel "
+        "time per attention pair (largest / smallest - 1). Model margin (below): how much slower "
+        "the model predicts its second-fastest strategy; where it is under the noise floor, the "
+        "model's pick among near-equal plans is decided by measurement noise.",
+        "",
         "## Fitted profile",
         "",
         f"Kernel: fwd {k['fwd_tflops'] * 1e3:.3g} GFLOP/s, bwd {k['bwd_tflops'] * 1e3:.3g} GFLOP/s, "
@@ -781,10 +805,10 @@ def write_outputs(args: argparse.Namespace, r: dict[str, Any], model: ModelSpec)
         "",
         "## Held-out batches",
         "",
-        "| data | N | model fastest | measured fastest | model's pick vs fastest |",
-        "|---|---:|---|---|---:|",
-        *(f"| {b['dataset']} | {b['n']} | {b['model_fastest']} | {b['measured_fastest']} | "
-          f"+{b['gap']:.1%} |" for b in r["batches"]),
+        "| data | N | model fastest | model margin | measured fastest | model's pick vs fastest |",
+        "|---|---:|---|---:|---|---:|",
+        *(f"| {b['dataset']} | {b['n']} | {b['model_fastest']} | {b['margin']:.1%} | "
+          f"{b['measured_fastest']} | +{b['gap']:.1%} |" for b in r["batches"]),
         "",
         f"Files: {args.stem}.json (records and predictions), {args.stem}.png (scatter), "
         f"{args.stem}_profile.json (fitted profile).",
