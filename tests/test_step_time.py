@@ -52,7 +52,7 @@ from planner_service.core.step_time import (
 from planner_service.solvers.registry import solve
 from worker_runtime import ContextParallelAttention, build_comm_map, build_layout
 from worker_runtime.attention import FLASH_PATHS as RUNTIME_FLASH_PATHS
-from worker_runtime.kernels import build_masked_meta
+from worker_runtime.kernels import BLOCK_K, BLOCK_Q, build_masked_meta
 from worker_runtime.overlap import remote_query_rows
 from worker_runtime.ring import rows_seeing, slot_rows
 from worker_runtime.segments import build_segment_plan
@@ -102,6 +102,8 @@ def test_model_defaults_are_the_runtimes():
     assert RUNTIME_OVERLAP is params["overlap"].default is True
     assert RUNTIME_FLASH_PATH == params["flash_path"].default == "segments"
     assert FLASH_PATHS == RUNTIME_FLASH_PATHS
+    # The PyTorch kernel's profile counts the runtime's block pairs.
+    assert (TORCH.tile_q, TORCH.tile_k) == (BLOCK_Q, BLOCK_K)
 
 
 # -- the PyTorch kernel's blocks against the runtime's metadata --------------------------------

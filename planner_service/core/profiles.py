@@ -142,14 +142,14 @@ KERNEL_PROFILES: dict[str, KernelProfile] = {
         source="FA3 paper arXiv:2407.08608 FA2 baselines; FA2 launch templates",
     ),
     # The runtime's PyTorch kernel on CPU (worker_runtime/kernels.py: blocks of 256 queries
-    # x 1024 keys over the packed rows, a Python loop per block pair). Order of magnitude for
+    # x 256 keys over the packed rows, a Python loop per block pair). Order of magnitude for
     # one x86 core in float32; fit it with bench/model_check.py before trusting a figure.
     "cpu-torch": KernelProfile(
         name="cpu-torch",
         fwd_tflops=0.2,
         bwd_tflops=0.1,
         tile_q=256,
-        tile_k=1024,
+        tile_k=256,
         call_overhead_us=50.0,
         per_seq_us=20.0,
         linear_tflops=0.5,
