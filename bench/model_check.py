@@ -36,8 +36,10 @@
    overlap (gloo's threads are the rank's own process either way), so on CPU the runtime
    and the model run with overlap off (``--overlap`` turns it on for both). Wall times are
    recorded beside them. On CUDA the times are wall times after a device synchronize.
-3. Fit the model's coefficients (core/profile_fit.py) on the rank records of the batches
-   with even index, predict every plan of the odd ones: a plan's measured step is the
+3. Fit the model's coefficients (core/profile_fit.py) on the rank records of half the
+   batches, predict every plan of the other half: the batches of each data set, in order
+   of N and sequence, alternate between the halves, so both hold every data set (the one-
+   sequence adversarial sets included). A plan's measured step is the
    largest per-rank layer time, its prediction the largest per-rank kernel + copies +
    exchange of core/step_time.py under the fitted profile.
 4. Report: median and p90 absolute relative error, Spearman correlation of predicted vs
@@ -116,6 +118,7 @@ def make_batches(datasets: Sequence[str], cp_sizes: Sequence[int], sequences: in
     """Every (data set, N, sequence) with each strategy's plan; a strategy that refuses an
     input is listed under ``skipped`` with its one-line reason."""
     batches = []
+    seen: dict[str, int] = {}  # batches of each data set so far
     for n in cp_sizes:
         context = n * tokens_per_rank
         for ds in datasets:
@@ -128,8 +131,13 @@ def make_batches(datasets: Sequence[str], cp_sizes: Sequence[int], sequences: in
                             model=model, kernel=kernel, link=link, options=OPTIONS.get(s, {})))
                     except ValueError as exc:
                         skipped[s] = str(exc).splitlines()[0]
+                seen[ds] = seen.get(ds, 0) + 1
+                # Alternate within each data set (by N, then sequence; the phase shifts from
+                # one data set to the next): a data set with two or more batches is in both
+                # halves, so no held-out plan is of a kind the fit never saw.
+                held_out = (seen[ds] + datasets.index(ds)) % 2 == 0
                 batches.append({"dataset": ds, "n": n, "sequence": i, "num_docs": len(lengths),
-                                "plans": plans, "skipped": skipped})
+                                "plans": plans, "skipped": skipped, "held_out": held_out})
     return batches
 
 
@@ -519,7 +527,8 @@ def rank_records(batches: list[dict[str, Any]], measured: dict[tuple[int, str], 
                 copies = None if layer is None or kern is None or exch is None else max(
                     0.0, layer - kern - exch)
                 out.append({
-                    "batch": bi, "strategy": s, "plan_id": plan.plan_id, "comm_mode": plan.comm_mode,
+                    "batch": bi, "held_out": b["held_out"], "strategy": s, "plan_id": plan.plan_id,
+                    "comm_mode": plan.comm_mode,
                     "path": terms.path, "n": b["n"], "dataset": b["dataset"], "rank": terms.rank,
                     "group": terms.group, "pairs": terms.work.pairs, "tiles": terms.work.tiles,
                     "segments": terms.work.segments, "row_blocks": terms.work.row_blocks,
@@ -558,7 +567,7 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
 
 def validate(batches: list[dict[str, Any]], records: list[dict[str, Any]], kernel: KernelProfile,
              link: LinkProfile, overlap: bool) -> dict[str, Any]:
-    """Held-out (odd batch) figures under the fitted profiles. A record's predicted
+    """Held-out batch figures under the fitted profiles. A record's predicted
     exchange is every transfer in full (what was measured alone); its predicted layer has
     the exposed part."""
     by_plan: dict[tuple[int, str], list[dict[str, Any]]] = {}
@@ -583,7 +592,7 @@ def validate(batches: list[dict[str, Any]], records: list[dict[str, Any]], kerne
                 r.update(pred_kernel_ms=e.kernel_ms, pred_copy_ms=e.copy_ms,
                          pred_exchange_ms=t.transfer_ms, pred_exposed_ms=e.comm_ms,
                          pred_layer_ms=e.layer_ms)
-            rows.append({"batch": bi, "strategy": s, "held_out": bi % 2 == 1, "measured_ms": meas,
+            rows.append({"batch": bi, "strategy": s, "held_out": b["held_out"], "measured_ms": meas,
                          "predicted_ms": pred, "rel_error": (pred - meas) / meas})
         plans += rows
         held = [r for r in rows if r["held_out"]]
@@ -616,7 +625,7 @@ def term_errors(records: list[dict[str, Any]]) -> dict[str, float]:
     for term, pred in (("kernel_ms", "pred_kernel_ms"), ("copy_ms", "pred_copy_ms"),
                        ("exchange_ms", "pred_exchange_ms")):
         errs = [abs(r[pred] - r[term]) / r[term] for r in records
-                if r["batch"] % 2 == 1 and r.get(term) and pred in r]
+                if r["held_out"] and r.get(term) and pred in r]
         out[term] = float(np.median(errs)) if errs else float("nan")
     return out
 
@@ -721,7 +730,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if key != rep:
                 measured[key] = [dict(m) for m in measured[rep]]
     records = rank_records(batches, measured, base_kernel, base_link, args.overlap)
-    fit_records = [r for r in records if r["batch"] % 2 == 0]
+    fit_records = [r for r in records if not r["held_out"]]
     fitted = fit_step_profile(fit_records, base_kernel=base_kernel, base_link=base_link,
                               name=args.profile_name)
     result = validate(batches, records, fitted.kernel, fitted.link, args.overlap)
@@ -772,7 +781,7 @@ def write_outputs(args: argparse.Namespace, r: dict[str, Any], model: ModelSpec)
         f"(planning {r['plan_seconds']:.0f} s); load average {r['load_start'][0]:.1f} at start, "
         f"{r['load_end'][0]:.1f} at end.",
         "",
-        "## Held-out plans (odd batches; profile fitted on the even ones)",
+        "## Held-out plans (every second batch of each data set; profile fitted on the others)",
         "",
         "| figure | value | target |",
         "|---|---:|---:|",

@@ -117,7 +117,7 @@ def test_kernel_only_runs_the_segments_calls(strategy: str, path: str):
 
 def test_a_run_the_profile_prices_on_another_path_is_an_error():
     plan = solve(PlanRequest(doc_lengths=(300, 200), cp_size=2, kernel="cpu-torch"))
-    batches = [{"n": 2, "dataset": "x", "plans": {"flashcp": plan}}]
+    batches = [{"n": 2, "dataset": "x", "plans": {"flashcp": plan}, "held_out": False}]
     measured = {(0, "flashcp"): [{"path": "segments", "layer_ms": 1.0, "kernel_ms": 0.5,
                                   "exchange_ms": 0.1}] * 2}
     kernel, link = KERNEL_PROFILES["cpu-torch"], LINK_PROFILES["gloo-local"]
@@ -141,3 +141,12 @@ def test_plans_with_the_same_layout_share_one_run():
     assert runs == [(0, "per_doc"), (0, "flashcp")]
     assert same == {(0, "per_doc"): (0, "per_doc"), (0, "same"): (0, "per_doc"),
                     (0, "flashcp"): (0, "flashcp")}
+
+
+def test_every_data_set_with_two_batches_is_in_both_halves():
+    from bench.model_check import CPU_MODEL, make_batches
+
+    datasets = ("one doc", "8-token docs", "wlbllm")
+    batches = make_batches(datasets, (2, 3), 1, 64, CPU_MODEL, ("flashcp",), "cpu-torch", "gloo-local")
+    for ds in datasets:
+        assert {b["held_out"] for b in batches if b["dataset"] == ds} == {True, False}, ds

@@ -17,7 +17,8 @@ long runs weigh alike):
 
 - kernel:   ``ms = c fwd_flops + t tiles + q row_blocks + s segments + o calls`` -> fwd/bwd
   TFLOP/s (the base profile's fwd:bwd ratio kept; one total is measured), per_tile_us,
-  per_row_block_us, per_seq_us, call_overhead_us;
+  per_row_block_us, per_seq_us, call_overhead_us; ``s`` is 0 for a ``packed`` base (the
+  PyTorch kernel loops over block pairs, never over segments);
 - copies:   ``ms = b copy_bytes + k copy_ops``           -> copy_gbps, op_overhead_us;
 - exchange: ``ms = w comm_bytes + l passes + p peer_steps`` -> bandwidth_gbps, latency_us,
   per_peer_us.
@@ -134,9 +135,11 @@ def fit_step_profile(
     timed = _measured(records, "kernel_ms")
     if len(timed) < 2:
         raise ValueError("records need at least 2 measured kernel_ms values to fit the kernel")
+    # The PyTorch kernel (packed tiling) loops over block pairs, never over segments: its
+    # per-segment cost is 0 by construction, not a free coefficient.
+    segments = _column(timed, "segments") * (base_kernel.tiling != "packed")
     kx = np.column_stack([_column(timed, "fwd_flops"), _column(timed, "tiles"),
-                          _column(timed, "row_blocks"), _column(timed, "segments"),
-                          _column(timed, "calls")])
+                          _column(timed, "row_blocks"), segments, _column(timed, "calls")])
     kc, kres = nnls_relative(kx, _column(timed, "kernel_ms"))
     ratio = base_kernel.fwd_tflops / base_kernel.bwd_tflops
     fwd = 1e-9 * (1 + BWD_FLOP_RATIO * ratio) / kc[0] if kc[0] > 0 else FAST
