@@ -30,7 +30,8 @@ BLOCK_K = 256
 """Query x key rows of one block pair of the PyTorch kernel. A pair's score, probability
 and gradient tensors are ``H x BLOCK_Q x BLOCK_K`` floats each; at 256 x 256 they stay in
 a core's cache, so the time per computed pair varies little with the block shapes, which
-is what the step-time model's per-pair rate assumes."""
+is what the step-time model's per-pair rate assumes (``python -m bench.kernel_blocks``
+measures it per block size)."""
 
 
 class VarlenMeta(NamedTuple):
