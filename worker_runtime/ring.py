@@ -27,7 +27,7 @@ path's segment ring (``segring.py``) with segment kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -138,6 +138,26 @@ def shift(link: RingLink, tensors: tuple[torch.Tensor, ...], direction: str) -> 
 Block = tuple[torch.Tensor, torch.Tensor]
 
 
+def circulate(link: RingLink, num_ranks: int, block: Block, overlap: bool, direction: str,
+              local: Callable[[], None]) -> Iterator[tuple[int, Block]]:
+    """The block schedule both passes share: the own block leaves for the next slot, then
+    ``local()`` runs; for s = 1 .. N - 1 the block of slot ``i - s`` arrives, leaves again
+    (not after the last step) and is yielded as ``(s, block)`` while it travels on.
+    ``overlap=False`` waits for each transfer right after starting it."""
+    pending = shift(link, block, direction) if num_ranks > 1 else None
+    arrived = pending.wait() if pending is not None and not overlap else None
+    local()
+    for s in range(1, num_ranks):
+        if overlap:
+            arrived = pending.wait()  # type: ignore[union-attr]
+        assert arrived is not None
+        block = arrived
+        pending = shift(link, block, direction) if s < num_ranks - 1 else None
+        if pending is not None and not overlap:
+            arrived = pending.wait()
+        yield s, block
+
+
 def ring_forward(link: RingLink, num_ranks: int, num_real: int, block: Block, overlap: bool,
                  local: Callable[[], None], step: Callable[[int, Block], None]) -> None:
     """The forward ring of one rank around its kernels: ``local()`` while the own block
@@ -145,20 +165,14 @@ def ring_forward(link: RingLink, num_ranks: int, num_real: int, block: Block, ov
     the block of slot ``i - s`` while it travels on (not after the last step). N - 1
     transfers; the counter holds own + T x (2 if s < N - 1 else 1) rows at step s."""
     t = len(block[0])
-    pending = shift(link, block, "forward") if num_ranks > 1 else None
-    arrived = pending.wait() if pending is not None and not overlap else None
-    local()
-    link.counter.hold(num_real)
-    for s in range(1, num_ranks):
-        if overlap:
-            arrived = pending.wait()  # type: ignore[union-attr]
-        assert arrived is not None
-        block = arrived
-        pending = shift(link, block, "forward") if s < num_ranks - 1 else None
-        if pending is not None and not overlap:
-            arrived = pending.wait()
+
+    def own() -> None:
+        local()
+        link.counter.hold(num_real)
+
+    for s, arrived in circulate(link, num_ranks, block, overlap, "forward", own):
         link.counter.hold(num_real + t * (2 if s < num_ranks - 1 else 1))
-        step(s, block)
+        step(s, arrived)
 
 
 def ring_backward(link: RingLink, num_ranks: int, block: Block, overlap: bool,
@@ -170,20 +184,10 @@ def ring_backward(link: RingLink, num_ranks: int, block: Block, overlap: bool,
     accumulator of the previous step is waited for after this step's kernels. 2 (N - 1)
     transfers. Returns the own block's accumulator in flight (``wait()`` gives the dK/dV
     the peers computed for the own rows), or None for a ring of one."""
-    pending = shift(link, block, "backward") if num_ranks > 1 else None
-    arrived = pending.wait() if pending is not None and not overlap else None
-    local()
     carry: Pending | Landed | None = None
     k, v = block
-    for s in range(1, num_ranks):
-        if overlap:
-            arrived = pending.wait()  # type: ignore[union-attr]
-        assert arrived is not None
-        block = arrived
-        pending = shift(link, block, "backward") if s < num_ranks - 1 else None
-        if pending is not None and not overlap:
-            arrived = pending.wait()
-        part = step(s, block)
+    for s, arrived in circulate(link, num_ranks, block, overlap, "backward", local):
+        part = step(s, arrived)
         # The previous step's accumulator was in flight during this step's kernels.
         acc = (k.new_zeros(k.shape), v.new_zeros(v.shape)) if carry is None else carry.wait()
         if part is not None:
