@@ -190,26 +190,29 @@ def check_worker_resolution(wheel: Path, work: Path) -> None:
                                      ("2.9.1", False)):
         bin_dir = fake_env(work / f"fake-torch-{torch_version}", torch_version)
         report = work / f"report-{torch_version}.json"
-        done = run([sys.executable, "-m", "pip", "--python", str(bin_dir / "python"),
-                    "install", "--dry-run", "--no-index", "--find-links", str(wheel.parent),
-                    "--report", str(report), "-q", f"cp-planner[worker] @ {wheel.as_uri()}"],
-                   timeout=300, check=False)
+        # --isolated: no pip configuration of this machine (its find-links hold a torch).
+        done = run([sys.executable, "-m", "pip", "--isolated", "--python",
+                    str(bin_dir / "python"), "install", "--dry-run", "--no-index",
+                    "--find-links", str(wheel.parent), "--report", str(report), "-q",
+                    f"cp-planner[worker] @ {wheel.as_uri()}"], timeout=300, check=False)
+        chosen = sorted(f"{i['metadata']['name']}=={i['metadata']['version']}"
+                        for i in json.loads(report.read_text())["install"]) \
+            if done.returncode == 0 else None
         if supported:
-            if done.returncode != 0:
-                sys.exit(f"wheel-smoke: FAILED: [worker] does not resolve beside torch "
-                         f"{torch_version}:\n{done.stdout}{done.stderr}")
-            chosen = sorted(f"{i['metadata']['name']}=={i['metadata']['version']}"
-                            for i in json.loads(report.read_text())["install"])
             if chosen != ["cp-planner==0.1.0"]:
-                sys.exit(f"wheel-smoke: FAILED: beside torch {torch_version}, "
-                         f"pip install 'cp-planner[worker]' would install {chosen}")
+                sys.exit(f"wheel-smoke: FAILED: beside torch {torch_version}, pip install "
+                         f"'cp-planner[worker]' would install {chosen}:\n"
+                         f"{done.stdout}{done.stderr}")
             log(f"torch {torch_version} installed: pip install 'cp-planner[worker]' keeps it "
                 f"and installs {chosen}")
         else:
-            if done.returncode == 0 or "torch" not in done.stdout + done.stderr:
+            refused = (chosen is None and "torch" in done.stdout + done.stderr) or (
+                chosen is not None and any(c.startswith("torch==") for c in chosen))
+            if not refused:
                 sys.exit(f"wheel-smoke: FAILED: torch {torch_version} is below the supported "
-                         f"range, yet [worker] resolved:\n{done.stdout}{done.stderr}")
-            log(f"torch {torch_version} installed: [worker] refuses it (needs another torch)")
+                         f"range, yet [worker] resolved to {chosen} beside it:\n"
+                         f"{done.stdout}{done.stderr}")
+            log(f"torch {torch_version} installed: [worker] does not accept it")
 
 
 def main() -> None:
