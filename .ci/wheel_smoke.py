@@ -193,7 +193,7 @@ def check_worker_resolution(wheel: Path, work: Path) -> None:
         # --isolated: no pip configuration of this machine (its find-links hold a torch).
         done = run([sys.executable, "-m", "pip", "--isolated", "--python",
                     str(bin_dir / "python"), "install", "--dry-run", "--no-index",
-                    "--find-links", str(wheel.parent), "--report", str(report), "-q",
+                    "--find-links", str(wheel.parent), "--report", str(report),
                     f"cp-planner[worker] @ {wheel.as_uri()}"], timeout=300, check=False)
         chosen = sorted(f"{i['metadata']['name']}=={i['metadata']['version']}"
                         for i in json.loads(report.read_text())["install"]) \
@@ -206,7 +206,8 @@ def check_worker_resolution(wheel: Path, work: Path) -> None:
             log(f"torch {torch_version} installed: pip install 'cp-planner[worker]' keeps it "
                 f"and installs {chosen}")
         else:
-            refused = (chosen is None and "torch" in done.stdout + done.stderr) or (
+            # pip names the conflict: "cp-planner[worker] 0.1.0 depends on torch<2.15,>=2.10"
+            refused = (chosen is None and "depends on torch" in done.stdout + done.stderr) or (
                 chosen is not None and any(c.startswith("torch==") for c in chosen))
             if not refused:
                 sys.exit(f"wheel-smoke: FAILED: torch {torch_version} is below the supported "
