@@ -8,7 +8,7 @@ needs to know about a batch.
 All randomness comes from ``numpy.random.default_rng(seed)``, so a given set of
 arguments yields identical output on every machine (for a given numpy version).
 The two data sets (``wlbllm``, ``code``) ship with the package in ``lengths/`` (their
-provenance and licence: ``lengths/NOTICE.md``); ``$PLANNER_DATA_DIR`` overrides the folder.
+provenance and licence: ``lengths/NOTICE``); ``$PLANNER_DATA_DIR`` overrides the folder.
 """
 
 from __future__ import annotations
