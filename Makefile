@@ -2,9 +2,10 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# One stamp per install set and pyproject.toml version: `make run` installs the service
-# alone (no torch); `make install` (and test, lint, bench) everything, the dev extra.
-HASH := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# One stamp per install set and version of pyproject.toml + constraints.txt: `make run`
+# installs the service extra alone (no torch); `make install` (and test, lint, bench)
+# everything, the dev extra. Both at the exact versions of constraints.txt.
+HASH := $(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 STAMP_SERVICE := $(VENV)/.installed-service-$(HASH)
 STAMP := $(VENV)/.installed-dev-$(HASH)
 HOST ?= 127.0.0.1
@@ -17,21 +18,22 @@ install: $(STAMP)
 
 install-service: $(STAMP_SERVICE)
 
-$(STAMP_SERVICE): pyproject.toml
+$(STAMP_SERVICE): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -c constraints.txt --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[service]'
 	rm -f $(VENV)/.installed-service-*
 	touch $(STAMP_SERVICE)
 
 # The dev extra holds the service's dependencies too: its stamp marks both installed.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP) $(STAMP_SERVICE)
 
+# After an edit of planner_service/proto/planner.proto: regenerate the committed stubs.
 proto: install
 	$(PY) -m planner_service.proto_build
 

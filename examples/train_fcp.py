@@ -55,9 +55,9 @@ from worker_runtime.hf import enable_cp_attention, prepare_batch, use_cp_attenti
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per global batch")
-    p.add_argument("--max-seq-len", type=int, default=8192, help="longest packed sequence")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="longest packed sequence")
     p.add_argument("--memory-tokens", type=int, default=0,
                    help="activation memory per rank in tokens (0: half of --max-seq-len, so "
                    "the longest sequences need CP groups of 2 or more)")
@@ -170,6 +170,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"step {step:3d}  loss {record['loss']:.4f}  step {record['step_ms']:7.1f} ms  "
                   f"wait {wait_ms:6.3f} ms  fallback {got.reason or '-':11s}  "
                   f"schedule {got.schedule_id[:12]}  degrees {record['degrees']}", flush=True)
+        if step == 0 and args.check_reference:
+            # Each rank compared its own group's documents: rank 0 prints the worst of all.
+            worst = torch.tensor(record.get("reference_max_abs_diff", 0.0), dtype=torch.float64,
+                                 device=device)
+            if world > 1:
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                print(f"step {step:3d}  reference: max |logits - one process| over every "
+                      f"group {float(worst):.2e}", flush=True)
 
     waits = [r["plan_wait_ms"] for r in records]
     summary = {"steps": args.steps, "world": world, "planner": args.planner_url,

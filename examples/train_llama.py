@@ -48,7 +48,7 @@ START_TIMEOUT_S = 10.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per packed sequence")
     p.add_argument("--cp-size", type=int, default=0, help="ranks per CP group (0: world size)")
     p.add_argument("--strategy", default="flashcp", help="planner strategy (flashcp, ilp, auto, ...)")
@@ -248,6 +248,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"wait {wait_ms:6.3f} ms  fallback {got.reason or '-':11s}  "
                   f"plan {got.plan_id[:12]}  imbalance {record['imbalance']:.3f}  "
                   f"kv {record['kv_bytes'] / 2**20:.2f} MiB", flush=True)
+        if rank == 0 and "reference_max_abs_diff" in record:
+            loss_diff = record.get("reference_loss_diff")
+            print(f"step {step:3d}  reference: max |logits - one process| "
+                  f"{record['reference_max_abs_diff']:.2e}"
+                  + (f", |loss - one process| {loss_diff:.2e}" if loss_diff is not None else ""),
+                  flush=True)
 
     waits = [r["plan_wait_ms"] for r in records]
     summary = {"steps": args.steps, "world": world, "cp_size": cp, "strategy": args.strategy,

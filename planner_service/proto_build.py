@@ -1,11 +1,12 @@
-"""Generate the gRPC stubs from ``proto/planner.proto`` into ``planner_service/proto_gen/``.
+"""The gRPC stubs of ``planner_service/proto/planner.proto``, in ``planner_service/proto_gen/``.
 
-``python -m planner_service.proto_build`` (the Makefile's ``proto`` target) regenerates
-them; :func:`load` regenerates on demand when they are missing or were made from another
-version of the proto, so a fresh clone needs no extra step. The stubs are not committed.
+The stubs are committed and ship in the wheel, so the service needs no protoc at run time
+(grpcio-tools is a dev dependency). After an edit of the proto, ``make proto`` (``python -m
+planner_service.proto_build``) regenerates them; :func:`load` refuses stubs made from another
+proto, and ``tests/test_proto_stubs.py`` checks that regenerating gives the committed bytes.
 
-Generation holds a file lock and replaces files atomically, so concurrent test workers
-that import the stubs at the same time see either the old or the new complete set.
+Generation holds a file lock and replaces files atomically, so concurrent processes see
+either the old or the new complete set.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-PROTO_FILE = PACKAGE_DIR.parent / "proto" / "planner.proto"
+PROTO_FILE = PACKAGE_DIR / "proto" / "planner.proto"
 OUT_DIR = PACKAGE_DIR / "proto_gen"
 STUB_PACKAGE = "planner_service.proto_gen"
 
@@ -52,8 +53,6 @@ def _stamp(out: Path) -> str | None:
 
 def is_stale(proto: Path = PROTO_FILE, out: Path = OUT_DIR) -> bool:
     """True if the stubs are missing or were generated from different proto content."""
-    if not proto.is_file():
-        return False  # an installed package without the proto source: use what is there
     return _stamp(out) != proto_sha256(proto)
 
 
@@ -66,7 +65,7 @@ def generate(proto: Path = PROTO_FILE, out: Path = OUT_DIR) -> None:
         from grpc_tools import protoc
     except ImportError as exc:  # pragma: no cover - a dev dependency
         raise RuntimeError("grpcio-tools is needed to generate the gRPC stubs: "
-                           "pip install -e '.[dev]'") from exc
+                           "pip install -c constraints.txt -e '.[dev]'") from exc
     import grpc_tools
 
     out.mkdir(parents=True, exist_ok=True)
@@ -106,9 +105,14 @@ def ensure_stubs(proto: Path = PROTO_FILE, out: Path = OUT_DIR) -> None:
 
 
 def load() -> Stubs:
-    """Import the stubs, generating them first when needed."""
-    ensure_stubs()
-    importlib.invalidate_caches()
+    """Import the committed stubs.
+
+    Raises:
+        RuntimeError: if they were generated from another version of the proto.
+    """
+    if is_stale(PROTO_FILE, OUT_DIR):
+        raise RuntimeError(f"the gRPC stubs in {OUT_DIR} were not generated from {PROTO_FILE}: "
+                           f"run `make proto`")
     pb2 = importlib.import_module(f"{STUB_PACKAGE}.planner_pb2")
     pb2_grpc = importlib.import_module(f"{STUB_PACKAGE}.planner_pb2_grpc")
     return Stubs(pb2, pb2_grpc)

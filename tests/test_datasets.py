@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -29,6 +30,7 @@ from planner_service.data import (
     make_source,
     pack_sequences,
     pack_sequences_variable,
+    packaged_data_dir,
     sample_batch,
 )
 from planner_service.data.families import PILE, REDPAJAMA
@@ -38,8 +40,7 @@ N_SAMPLES = 20_000
 
 def _shared_file(key: str) -> Path:
     path = default_data_dir() / SHARED_FILES[key]
-    if not path.is_file():
-        pytest.skip(f"shared data file {path} is absent (set PLANNER_DATA_DIR to its folder)")
+    assert path.is_file(), f"data set file {path} is absent"
     return path
 
 
@@ -239,9 +240,30 @@ def test_load_lengths_missing_file_names_path(tmp_path: Path) -> None:
 
 def test_default_data_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("PLANNER_DATA_DIR", raising=False)
-    assert default_data_dir().parts[-2:] == ("shared", "data")
+    assert default_data_dir() == packaged_data_dir()
+    assert packaged_data_dir().parts[-3:] == ("planner_service", "data", "lengths")
     monkeypatch.setenv("PLANNER_DATA_DIR", str(tmp_path))
     assert default_data_dir() == tmp_path
+
+
+DATA_SHA256 = {
+    "wlbllm": "df83913ac1a7afe12861516b07facb6bb2c2a673b16e2da93701439986e8a3c3",
+    "code": "5358f364a4f47f3a68d28e5df66af05fc61e9a6f40a43ec384a1fb30b71c3610",
+}
+"""The bytes every plan fixture and benchmark figure of the repository was made from."""
+
+
+@pytest.mark.parametrize("key", sorted(SHARED_FILES))
+def test_the_packaged_data_sets_are_the_published_bytes(key: str) -> None:
+    path = packaged_data_dir() / SHARED_FILES[key]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == DATA_SHA256[key]
+    assert DATA_SHA256[key] in (packaged_data_dir() / "README.md").read_text()
+
+
+def test_the_packaged_data_sets_carry_their_provenance() -> None:
+    notice = (packaged_data_dir() / "NOTICE").read_text()
+    assert "Apache License" in notice and "dist_wlbllm.json" in notice
+    assert all(name in notice for name in SHARED_FILES.values())
 
 
 def test_make_source_shortcuts_use_data_dir(
@@ -417,7 +439,7 @@ def test_sample_batch_rejects_bad_inputs(kwargs: dict, field: str) -> None:
         sample_batch(make_source("web"), **kwargs)
 
 
-# --- shared data files --------------------------------------------------------------------------
+# --- packaged data files --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("key", sorted(SHARED_FILES))

@@ -37,6 +37,8 @@ def run_example(script: str, tmp: Path, *args: str) -> tuple[list[list[dict[str,
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled(240))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "summary " in done.stdout
+    if "--check-reference" in args:  # printed without --log-dir too
+        assert "reference: max |logits - one process|" in done.stdout, done.stdout[-2000:]
     records = [[json.loads(line) for line in (tmp / f"rank{r}.jsonl").read_text().splitlines()]
                for r in range(RANKS)]
     return records, json.loads((tmp / "summary.json").read_text())

@@ -7,6 +7,11 @@ the local-key attention, one copy of the distinct remote KV kept) or a ``p2p_rin
 runtime never solves: plans come from ``planner_service``.
 """
 
+import importlib.util
+
+if importlib.util.find_spec("torch") is None:
+    raise ImportError("worker_runtime needs torch: pip install 'cp-planner[worker]'")
+
 from worker_runtime.attention import RUN_MODES, ContextParallelAttention, resolve_comm_mode
 from worker_runtime.comm import CommCounter
 from worker_runtime.groups import GroupCache, clear_group_caches, group_cache

@@ -60,6 +60,20 @@ def check_port(host: str, port: int, what: str, field: str) -> None:
                        f"{setting_name(field)} (0 takes any free port)") from None
 
 
+SERVICE_MODULES = ("fastapi", "uvicorn", "grpc_health", "grpc_reflection", "ortools")
+"""What ``serve`` imports beyond the core: pyproject's ``service`` extra."""
+
+
+def require_service_extra() -> None:
+    """Raise ``fail`` naming the extra to install if a server module is missing."""
+    import importlib.util
+
+    missing = [name for name in SERVICE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise fail(f"planner serve needs {', '.join(missing)}: "
+                   f"pip install 'cp-planner[service]'")
+
+
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address [PLANNER_HOST, 127.0.0.1]")] = None,
     http_port: Annotated[int | None, typer.Option(
@@ -78,6 +92,7 @@ def serve(
     """
     from pydantic import ValidationError
 
+    require_service_extra()
     from planner_service.core.profiles import default_kernel_profile
     from planner_service.service.server import run
     from planner_service.service.settings import load_settings

@@ -1,4 +1,4 @@
-"""Document-length data: shared length files, parametric families and sequence packing."""
+"""Document-length data: the packaged length files, parametric families and sequence packing."""
 
 from planner_service.data.datasets import (
     CONTEXT_64K,
@@ -12,6 +12,7 @@ from planner_service.data.datasets import (
     make_source,
     pack_sequences,
     pack_sequences_variable,
+    packaged_data_dir,
     sample_batch,
 )
 from planner_service.data.families import (
@@ -43,5 +44,6 @@ __all__ = [
     "make_source",
     "pack_sequences",
     "pack_sequences_variable",
+    "packaged_data_dir",
     "sample_batch",
 ]

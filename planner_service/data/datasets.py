@@ -7,7 +7,8 @@ needs to know about a batch.
 
 All randomness comes from ``numpy.random.default_rng(seed)``, so a given set of
 arguments yields identical output on every machine (for a given numpy version).
-The shared data files are read by path and never copied into the repository.
+The two data sets (``wlbllm``, ``code``) ship with the package in ``lengths/`` (their
+provenance and licence: ``lengths/NOTICE``); ``$PLANNER_DATA_DIR`` overrides the folder.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -31,6 +33,7 @@ __all__ = [
     "FileSource",
     "LengthSource",
     "default_data_dir",
+    "packaged_data_dir",
     "load_lengths",
     "make_source",
     "pack_sequences",
@@ -45,7 +48,7 @@ SHARED_FILES: dict[str, str] = {
     "wlbllm": "wlbllm_doc_lengths.json",
     "code": "code_doc_lengths.json",
 }
-"""Spec shortcuts -> file names inside :func:`default_data_dir`."""
+"""Data set names -> file names inside :func:`default_data_dir`."""
 
 # Bounds on one vectorised draw: big enough that a typical pack needs one draw, small
 # enough (32 MiB of int64) that a huge request cannot exhaust memory in one go.
@@ -53,14 +56,26 @@ _MIN_CHUNK = 1024
 _MAX_CHUNK = 1 << 22
 
 
-def default_data_dir() -> Path:
-    """Directory holding the shared length files.
+def packaged_data_dir() -> Path:
+    """The folder of length files installed with the package (``planner_service/data/lengths``).
 
-    ``$PLANNER_DATA_DIR`` if set, else ``<repo root>/../shared/data`` where the repo root
-    is two levels above the ``planner_service`` package directory.
+    Found with :mod:`importlib.resources`, so it is the same from a clone, a wheel and an
+    sdist. The package is installed unzipped (pip's wheels always are), so it is a path.
     """
-    repo_root = Path(__file__).resolve().parents[2]
-    return Path(os.environ.get("PLANNER_DATA_DIR", repo_root.parent / "shared" / "data"))
+    folder = resources.files(__package__ or "planner_service.data").joinpath("lengths")
+    if not isinstance(folder, Path):  # a zipped install: the files have no path to read
+        raise RuntimeError(f"planner_service is installed zipped ({folder}); install it "
+                           f"unzipped or set PLANNER_DATA_DIR to a folder of length files")
+    return folder
+
+
+def default_data_dir() -> Path:
+    """Folder holding the length files of the named data sets (:data:`SHARED_FILES`).
+
+    ``$PLANNER_DATA_DIR`` if set, else :func:`packaged_data_dir`.
+    """
+    override = os.environ.get("PLANNER_DATA_DIR")
+    return Path(override) if override else packaged_data_dir()
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -169,7 +184,7 @@ def make_source(spec: str) -> LengthSource:
 
     Accepted forms, checked in this order:
 
-    * ``wlbllm`` or ``code``: the shared files in :func:`default_data_dir`
+    * ``wlbllm`` or ``code``: the packaged files in :func:`default_data_dir`
       (``code`` is the real code sample; use ``family:code`` for the parametric fit);
     * ``file:PATH``: any JSON lengths file;
     * ``family:NAME`` or a bare family name (``pile``, ``redpajama``, ``web``, ...).
@@ -185,7 +200,8 @@ def make_source(spec: str) -> LengthSource:
         if not (folder / SHARED_FILES[spec]).is_file():
             raise ValueError(
                 f"data set {spec!r} is the file {SHARED_FILES[spec]} in the data folder {folder}, "
-                f"which has no such file; set PLANNER_DATA_DIR to the folder that holds it, or "
+                f"which has no such file; set PLANNER_DATA_DIR to the folder that holds it (unset: "
+                f"the files installed with the package), or "
                 f"use a family (e.g. family:{'code' if spec == 'code' else 'pile'}) or file:PATH"
             )
         return FileSource.from_path(folder / SHARED_FILES[spec], name=spec)
@@ -196,7 +212,7 @@ def make_source(spec: str) -> LengthSource:
         return FamilySource(name=spec, family=get_family(name))
     raise ValueError(
         f"invalid length source spec {spec!r}; expected one of: "
-        f"{', '.join(sorted(SHARED_FILES))} (shared files in {default_data_dir()}), "
+        f"{', '.join(sorted(SHARED_FILES))} (length files in {default_data_dir()}), "
         f"a family name ({', '.join(sorted(FAMILIES))}), 'family:NAME', or 'file:PATH'"
     )
 

@@ -2,10 +2,10 @@
 
 Every family draws document lengths in tokens from a lognormal body spliced to a
 (truncated) Pareto tail, or from a mixture of such components weighted by token share.
-The source numbers are those collected in ``shared/data/README.md``:
+The source numbers are those collected in ``lengths/README.md`` beside this module:
 
 * code: lognormal mu 7.1, sigma 1.5 with 10% of documents Pareto above 8K, alpha 1.23
-  (matches the shared ``code_doc_lengths.json``: median 1,102, 10.4% of docs above 8K).
+  (matches the packaged ``code_doc_lengths.json``: median 1,102, 10.4% of docs above 8K).
 * web: lognormal median 300-650, sigma 1.0-1.3.
 * English Wikipedia: mean 692, median 305, p95 2,464 tokens.
 * papers: median 6.5K-14K, sigma 0.8.

@@ -10,7 +10,7 @@ timing-free canonical JSON (schedule_wire.py), so a client's local fallback for 
 request is byte-identical.
 
 HTTP: ``PUT/GET /v1/jobs/{job}/global-batches/{batch}``; gRPC: the ``GlobalBatches``
-service of proto/planner.proto. Both call :class:`GlobalJobs`.
+service of planner_service/proto/planner.proto. Both call :class:`GlobalJobs`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ solves), :mod:`.cpsat` (deterministic CP-SAT under a wall-clock guard), :mod:`.t
 :mod:`.fill`, :mod:`.lns`.
 """
 
+import importlib.util
+
+if importlib.util.find_spec("ortools") is None:
+    raise ImportError("strategy 'ilp' needs OR-Tools: pip install 'cp-planner[ilp]'")
+
 from planner_service.solvers.ilp.bounded import bounded_ilp_layout
 from planner_service.solvers.ilp.search import PROGRESS
 from planner_service.solvers.ilp.strategy import (
