@@ -104,9 +104,11 @@ class ContextParallelAttention:
     ValueError for a bad ``comm_mode``, ``kernel`` or ``verify``. ``agreed=True`` skips the
     plan_id all-gather for a plan every rank already holds (planner_service.client.agreement);
     a rank that cannot run it then raises CollectiveCheckError on its own. ``overlap=False``
-    waits for each exchange right after starting it (same results). ``flash_path``: how
-    flash-attn runs (FLASH_PATHS; ValueError otherwise). ``segment_kernel``: run the
-    segments path with this kernel whatever the device and dtype (module docstring).
+    waits for each exchange right after starting it (same results). ``kernel``: one of
+    ``aten_flash.RUNTIME_KERNELS`` (``auto``: PyTorch's FlashAttention on CUDA fp16/bf16).
+    ``flash_path``: how a FlashAttention kernel runs (FLASH_PATHS; ValueError otherwise).
+    ``segment_kernel``: run the segments path with this kernel whatever the device and
+    dtype (module docstring).
     """
 
     def __init__(
