@@ -28,6 +28,8 @@ with its time; each writes ``DIR/<n>_<stage>.md`` and ``.json`` as it ends and
    at N in {2, 4, 8}, the segments path's kernel calls alone (kernel term) and the path
    without the exchange (copies = that - kernel); the profile is fitted on half the plans
    (core/profile_fit.py) and predicts the other half, beside the cited profile's prediction.
+6. ``fcp_timings``: profiler timings of flashcp and zigzag plans (each rank's one gathered
+   call) into ``DIR/timings_gpu.json``, for FCP's cost-model fit (``planner fit-profile``).
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[tuple[str, Callable[[Setup], stages.Stage]]] = [
         ("environment", environment), ("correctness", lambda x: stages.correctness(x, TOL)),
         ("timings", stages.timings), ("figure3", stages.figure3), ("model_check", stages.model_check),
+        ("fcp_timings", lambda x: stages.fcp_timings(x, out)),
     ]
     ok, done = True, []
     start = time.perf_counter()

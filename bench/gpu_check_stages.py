@@ -26,7 +26,13 @@ from planner_service.solvers.registry import solve
 from worker_runtime.comm import CommCounter
 from worker_runtime.dispatch import dispatch
 from worker_runtime.layout import RankLayout, build_comm_map, build_layout, expand_ranges
-from worker_runtime.profiler import device_name, median_ms
+from worker_runtime.profiler import (
+    AttentionRecord,
+    device_name,
+    median_ms,
+    timings_document,
+    write_timings,
+)
 from worker_runtime.reference import reference_attention
 from worker_runtime.ring import ring_link
 from worker_runtime.segattention import LocalSegmentAttention, build_segment_state
@@ -310,3 +316,25 @@ def model_check(s: Any) -> Stage:
     return Stage(md, {"profile": profile_document(fit), "records": records, "rows": rows,
                       "median_abs_rel_error": med, "kernel_median_abs_rel_error": med_k},
                  bool(rows), f"held-out median abs rel error {med:.1%} (kernel term {med_k:.1%})")
+
+
+def fcp_timings(s: Any, out_dir: Any) -> Stage:
+    """Profiler timings (``cp-planner-timings/v1``) of flashcp and zigzag plans, each rank's
+    one gathered call on the first kernel, for FCP's cost-model fit (``planner
+    fit-profile DIR/timings_gpu.json``)."""
+    name, kern = next(iter(s.kernels.items()))
+    records = []
+    for context in (32768, 131072):
+        lengths = pack_sequences(s.source, context_length=context // s.scale, num_sequences=1, seed=2)[0]
+        glob = _global(s, sum(lengths))
+        for degree in (4, 8):
+            for strategy in ("flashcp", "zigzag"):
+                plan = solve(PlanRequest(doc_lengths=tuple(lengths), cp_size=degree, strategy=strategy,
+                                         model=s.model))
+                records += [AttentionRecord(sum(lengths), degree, len(lengths), ms)
+                            for ms in _per_rank("gathered", plan, kern, glob, s) if ms > 0]
+    path = write_timings(out_dir / "timings_gpu.json", timings_document(
+        records, device=device_name(s.device), dtype=s.dtype, model=s.model))
+    md = [f"{len(records)} attention records (gathered path, {name} kernel) -> `{path.name}`; fit "
+          f"FCP's cost model with `planner fit-profile {path.name} --out PROFILE.json`"]
+    return Stage(md, {"records": len(records), "path": str(path)}, bool(records), f"{len(records)} records")

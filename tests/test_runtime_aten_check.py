@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = ("fastapi", "uvicorn", "starlette", "grpc", "ortools", "pydantic", "flash_attn",
            "transformers", "hypothesis", "pytest", "matplotlib", "scipy")
 OWN = ("planner_service", "worker_runtime", "bench")
+STAGES = ("environment", "correctness", "timings", "figure3", "model_check", "fcp_timings")
 
 CHILD = r"""
 import importlib.abc, json, runpy, sys
@@ -78,9 +79,8 @@ def test_gpu_check_smoke_runs_with_only_numpy_and_torch(tmp_path) -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(240.0))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("gpu_check stage")]
-    assert [x.split()[3].rstrip(":") for x in lines] == [
-        "environment", "correctness", "timings", "figure3", "model_check"], proc.stdout
-    for i, name in enumerate(("environment", "correctness", "timings", "figure3", "model_check"), 1):
+    assert tuple(x.split()[3].rstrip(":") for x in lines) == STAGES, proc.stdout
+    for i, name in enumerate(STAGES, 1):
         assert (tmp_path / f"{i}_{name}.md").is_file() and (tmp_path / f"{i}_{name}.json").is_file()
     summary = (tmp_path / "gpu_check.md").read_text()
     assert "family:pile, because wlbllm is not available here" in summary  # the noted fallback
@@ -102,6 +102,7 @@ def test_gpu_check_smoke_runs_with_only_numpy_and_torch(tmp_path) -> None:
                and not {d.lower().replace("_", "-") for d in owners[m]} & allowed]
     assert foreign == [], f"gpu_check imports {foreign}, which numpy and torch do not require"
     assert not set(modules) & set(BLOCKED)
+    assert json.loads((tmp_path / "timings_gpu.json").read_text())["records"]
 
 
 def test_runtime_imports_flash_attn_only_when_chosen() -> None:
