@@ -189,13 +189,13 @@ _ATEN: dict[tuple[str, torch.dtype, int, str], AtenSegments | None] = {}
 _WARNED: list[str] = []
 
 
-def aten_segments(device: torch.device, dtype: torch.dtype, head_dim: int, kernel: str = "aten",
-                  ops: AtenOps | None = None) -> AtenSegments | None:
+def aten_segments(device: torch.device, dtype: torch.dtype, head_dim: int,
+                  kernel: str = "aten") -> AtenSegments | None:
     """The checked PyTorch FlashAttention segment kernel for ``device``, ``dtype``, ``head_dim``
     under kernel name ``kernel`` (ATEN_IMPLS: activates FA3 / FA4), or None with one
     RuntimeWarning per process where the ops are missing, differ, cannot be activated or
     fail the probe, or the head dim is not a multiple of 8 up to 256. Cached per (device,
-    dtype, head dim, impl). ``ops`` replaces the aten ops (tests)."""
+    dtype, head dim, impl)."""
     want = ATEN_IMPLS[kernel]
     problem = None
     try:
@@ -204,7 +204,7 @@ def aten_segments(device: torch.device, dtype: torch.dtype, head_dim: int, kerne
     except FlashApiError as exc:
         problem = exc
     impl = want or flash_impl()
-    key = (str(device), dtype, int(head_dim), impl if ops is None else f"{impl}:{id(ops)}")
+    key = (str(device), dtype, int(head_dim), impl)
     if key not in _ATEN or problem is not None:
         found: AtenSegments | None = None
         try:
@@ -212,7 +212,7 @@ def aten_segments(device: torch.device, dtype: torch.dtype, head_dim: int, kerne
                 raise problem
             if head_dim % 8 or head_dim > 256:
                 raise FlashApiError(f"head_dim {head_dim} is not a multiple of 8 up to 256")
-            found = AtenSegments(ops or load_aten_ops(), impl=impl, name=kernel)
+            found = AtenSegments(load_aten_ops(), impl=impl, name=kernel)
             probe(found, device, dtype, head_dim)
         except FlashApiError as exc:
             found = None
