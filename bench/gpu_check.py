@@ -133,7 +133,7 @@ def environment(s: Setup) -> stages.Stage:
         ("dtype", str(s.dtype)), ("sizes", f"/ {s.scale}"),
         ("aten._flash_attention_forward/_backward", aten),
         ("FlashAttention impl behind them", flash_impl()),
-        ("registered impls", ", ".join(listed()) if listed else "no registry in this torch"),
+        ("impls registered in torch (packages may be missing)", ", ".join(listed()) if listed else "no registry in this torch"),
         ("flash-attn installed", str(installed("flash_attn"))),
         ("segment kernels passing the probe", ", ".join(s.kernels) or "none"),
         ("data set", s.source_note),
