@@ -11,7 +11,7 @@ schedule of batch k+1 is made while batch k trains (``ScheduleClient``, embedded
 running ``planner serve``), fetched on rank 0 and broadcast (``schedule_agreement``), so
 every rank runs the same schedule, the service's or the identical local fallback.
 
-Runs on CPU (gloo) and on GPUs (NCCL, flash-attn in bf16) like train_llama.py. Each
+Runs on CPU (gloo) and on GPUs (NCCL, PyTorch's FlashAttention in bf16) like train_llama.py. Each
 rank runs the micro-batches in order: forward and backward of its group's shards
 (a rank in no group of a micro-batch skips it), gradients summed over the world, one
 AdamW step per global batch. ``--log-dir`` gets every rank's steps as JSON lines.

@@ -2,8 +2,8 @@
 
     torchrun --nproc-per-node 4 examples/train_llama.py --steps 20 --seq-len 8192
 
-Runs unchanged on CPU (gloo, the exact torch kernel) and on GPUs (NCCL, flash-attn in
-bf16). Each step packs documents of a data set (the shared WLB-LLM lengths by default)
+Runs unchanged on CPU (gloo, the exact torch kernel) and on GPUs (NCCL, PyTorch's
+FlashAttention in bf16). Each step packs documents of a data set (the shared WLB-LLM lengths by default)
 into one sequence per CP group with synthetic tokens, gets the step's plan (prefetched
 one step earlier) through ``PlanAgreement`` (fetched on the group's first rank and
 broadcast, so every rank runs the same plan, the service's or the fallback), applies it

@@ -100,7 +100,7 @@ def test_overlap_follows_the_runtime_kernel():
     # on the rank's own keys; the PyTorch kernel a ring.
     assert {n: p.overlap for n, p in PROFILES.items()} == {
         "h100-llama3-8b": "local", "h100-llama3-8b-fa2": "local", "h100-llama3-8b-ib": "local",
-        "cpu-gloo": "ring"}
+        "h100-llama3-8b-aten-fa2": "local", "h200-llama3-8b-aten-fa2": "local", "cpu-gloo": "ring"}
     assert 0 < PROFILES["cpu-gloo"].forward_share < 1
     assert PROFILES["h100-llama3-8b"].forward_share == pytest.approx(
         forward_share(get_kernel_profile("h100-fa3")))

@@ -520,26 +520,32 @@ def test_fa2_and_fa3_profiles_differ():
     assert kernel_profile_from_dict(FA2.to_dict()) == FA2
 
 
-@pytest.mark.parametrize(("env", "installed", "want"), [
-    ({}, "2.8.3", "h100-fa2"),
-    ({}, "3.0.0b1", "h100-fa3"),
-    ({}, None, "h100-fa2"),
-    ({"PLANNER_KERNEL_PROFILE": "h100-fa3"}, "2.8.3", "h100-fa3"),
+@pytest.mark.parametrize(("env", "runtime", "want"), [
+    ({}, None, "h100-aten-fa2"),
+    ({}, ("FA2", "NVIDIA H100 80GB HBM3"), "h100-aten-fa2"),
+    ({}, ("FA2", "NVIDIA H200"), "h200-aten-fa2"),
+    ({}, ("FA3", "NVIDIA H100 80GB HBM3"), "h100-fa3"),
+    ({}, ("FA4", "NVIDIA H200"), "h200-aten-fa2"),
+    ({}, ("FA2", "NVIDIA A100-SXM4-80GB"), "h100-aten-fa2"),
+    ({"PLANNER_KERNEL_PROFILE": "h100-fa3"}, ("FA2", "NVIDIA H200"), "h100-fa3"),
 ])
-def test_default_profile_follows_the_installed_or_declared_kernel(env, installed, want):
-    name, why = default_kernel_profile(env, installed)
+def test_default_profile_follows_the_kernel_that_runs_or_the_declared_one(env, runtime, want):
+    name, why = default_kernel_profile(env, runtime)
     assert name == want and why
+    if runtime and runtime[0] == "FA4":
+        assert "no profile" in why
 
 
 @pytest.mark.parametrize(("env", "installed", "want"), [
-    (None, "3.1.0", "h100-fa3"),
-    (None, "2.8.3", "h100-fa2"),
-    (None, None, "h100-fa2"),
+    (None, "3.1.0", "h100-aten-fa2"),  # flash-attn is opt-in: installed is not running
+    (None, None, "h100-aten-fa2"),
     ("h100-fa3", None, "h100-fa3"),
+    ("h100-fa2", None, "h100-fa2"),
     ("cpu-torch", "3.1.0", "cpu-torch"),
 ])
 def test_a_request_without_a_kernel_resolves_it_at_construction(monkeypatch, env, installed, want):
     monkeypatch.setattr(profiles, "flash_attn_version", lambda: installed)
+    monkeypatch.setattr(profiles, "_this_process", lambda: None)
     if env is None:
         monkeypatch.delenv("PLANNER_KERNEL_PROFILE", raising=False)
     else:
@@ -552,6 +558,21 @@ def test_a_request_without_a_kernel_resolves_it_at_construction(monkeypatch, env
     assert solve(PlanRequest(doc_lengths=(3000, 1000, 96), cp_size=2)).to_json() == plan.to_json()
     # An explicit kernel is kept whatever the environment says.
     assert PlanRequest(doc_lengths=(5,), cp_size=1, kernel="h100-fa3").kernel == "h100-fa3"
+
+
+def test_pytorch_fa2_profiles_price_plans_as_the_cited_fa2_rates():
+    """Same kernels as flash-attn 2 (PyTorch vendors them): same coefficients, so the same
+    plan body apart from the kernel name; H200 differs in the copy rate only."""
+    aten, h200 = KERNEL_PROFILES["h100-aten-fa2"], KERNEL_PROFILES["h200-aten-fa2"]
+    assert {**aten.to_dict(), "name": FA2.name, "source": FA2.source} == FA2.to_dict()
+    assert h200.copy_gbps > aten.copy_gbps
+    assert {**h200.to_dict(), "name": aten.name, "source": aten.source, "copy_gbps": aten.copy_gbps} \
+        == aten.to_dict()
+    assert "not measured here" in aten.source and "not measured here" in h200.source
+    lengths = (3000, 1000, 96)
+    fa2 = solve(PlanRequest(doc_lengths=lengths, cp_size=2, kernel="h100-fa2")).to_dict()
+    torch_fa2 = solve(PlanRequest(doc_lengths=lengths, cp_size=2, kernel="h100-aten-fa2")).to_dict()
+    assert fa2["groups"] == torch_fa2["groups"]
 
 
 def test_declared_profile_must_exist():

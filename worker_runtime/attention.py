@@ -8,19 +8,23 @@ Per call, by comm mode and kernel:
   is in flight, one copy of the distinct remote KV is kept, parts merge by log-sum-exp;
 - ``p2p_ring`` (a ring plan's own mode) on the torch kernel: ``ring.RingAttention``, N - 1
   point-to-point steps overlapped with the current block's attention;
-- flash-attn (CUDA, fp16/bf16), ``flash_path="segments"`` (the default):
-  ``segattention.SegmentAttention``: the lean path's structure on varlen calls. Each
-  rank's document mask splits into ``M (M + 1)`` calls (``segments.py``; M = most shards
-  of one doc on the rank): own-key calls while the exchange is in flight, remote-key calls
-  on one copy of the distinct remote KV, log-sum-exp merge, backward mirrored. Needs
-  flash-attn's private varlen forward/backward (``segkernels.flash_segments`` checks them
-  and falls back to the gathered path with one warning);
+- a segment kernel (CUDA, fp16/bf16: PyTorch's own FlashAttention by default, flash-attn
+  with ``kernel="flash"``; ``aten_flash.choose_kernel``), ``flash_path="segments"`` (the
+  default): ``segattention.SegmentAttention``: the lean path's structure on varlen calls.
+  Each rank's document mask splits into ``M (M + 1)`` calls (``segments.py``; M = most
+  shards of one doc on the rank): own-key calls while the exchange is in flight,
+  remote-key calls on one copy of the distinct remote KV, log-sum-exp merge, backward
+  mirrored. Every kernel is probed against the reference first (``aten_flash.aten_segments``,
+  ``segkernels.flash_segments``); a refused one falls back with one warning (PyTorch's
+  kernel to flash-attn under ``auto`` where installed, else to the torch kernel; flash-attn
+  to its gathered path);
 - ``p2p_ring`` where the segments path would run: ``segring.SegmentRingAttention``, the
   ring's steps with each step's attention as varlen calls reading the received block in
   place (``segment_ring``);
-- flash-attn, ``flash_path="gathered"`` (or the fallback): exchange (blocking), gather
-  every shard's keys ``[0, e)`` of its doc (``kv_index``), one varlen kernel call; a ring
-  plan runs its bytes as ``full`` there.
+- ``flash_path="gathered"`` (or flash-attn's fallback): exchange (blocking), gather
+  every shard's keys ``[0, e)`` of its doc (``kv_index``), one varlen kernel call (the
+  segment kernel's, ``segkernels.SegmentVarlen``, or flash-attn's public varlen function);
+  a ring plan runs its bytes as ``full`` there.
 
 ``segment_kernel`` runs the segments path (or the segment ring) with another kernel on any
 device (the tests pass the exact ``segkernels.ReferenceSegments``). ``overlap=False`` waits
@@ -41,9 +45,10 @@ import torch.distributed as dist
 
 from planner_service.core.plan import Plan
 from worker_runtime import dispatch as _dispatch
+from worker_runtime.aten_flash import RUNTIME_KERNELS, choose_kernel, kernel_record
 from worker_runtime.comm import CommCounter, Exchanger, KVExchange
 from worker_runtime.groups import group_cache
-from worker_runtime.kernels import KERNELS, VarlenMeta, build_meta, uses_flash, varlen_attention
+from worker_runtime.kernels import VarlenMeta, build_meta, varlen_attention
 from worker_runtime.layout import (
     COMM_MODES,
     CommMap,
@@ -57,7 +62,7 @@ from worker_runtime.overlap import LeanAttention, LeanState, build_state, local_
 from worker_runtime.ring import RingAttention, build_ring_state, ring_link
 from worker_runtime.safety import CollectiveCheckError, agree, local_input_problem
 from worker_runtime.segattention import SegmentAttention, build_segment_state
-from worker_runtime.segkernels import SegmentKernel, flash_segments
+from worker_runtime.segkernels import SegmentKernel, SegmentVarlen
 from worker_runtime.segring import SegmentRingAttention, build_segment_ring_state
 
 VERIFY = ("first", "always", "never")
@@ -99,9 +104,11 @@ class ContextParallelAttention:
     ValueError for a bad ``comm_mode``, ``kernel`` or ``verify``. ``agreed=True`` skips the
     plan_id all-gather for a plan every rank already holds (planner_service.client.agreement);
     a rank that cannot run it then raises CollectiveCheckError on its own. ``overlap=False``
-    waits for each exchange right after starting it (same results). ``flash_path``: how
-    flash-attn runs (FLASH_PATHS; ValueError otherwise). ``segment_kernel``: run the
-    segments path with this kernel whatever the device and dtype (module docstring).
+    waits for each exchange right after starting it (same results). ``kernel``: one of
+    ``aten_flash.RUNTIME_KERNELS`` (``auto``: PyTorch's FlashAttention on CUDA fp16/bf16).
+    ``flash_path``: how a FlashAttention kernel runs (FLASH_PATHS; ValueError otherwise).
+    ``segment_kernel``: run the segments path with this kernel whatever the device and
+    dtype (module docstring).
     """
 
     def __init__(
@@ -122,8 +129,8 @@ class ContextParallelAttention:
         if flash_path not in FLASH_PATHS:
             raise ValueError(f"flash_path must be one of {', '.join(FLASH_PATHS)}, got {flash_path!r}")
         self.flash_path, self.segment_kernel = flash_path, segment_kernel
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if kernel not in RUNTIME_KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(RUNTIME_KERNELS)}, got {kernel!r}")
         if verify not in VERIFY:
             raise ValueError(f"verify must be one of {', '.join(VERIFY)}, got {verify!r}")
         self.plan, self.kernel, self.verify, self.overlap = plan, kernel, verify, bool(overlap)
@@ -252,7 +259,12 @@ class ContextParallelAttention:
         k_seq = source[:, 0].index_select(0, state.kv_index)
         v_seq = source[:, 1].index_select(0, state.kv_index)
         r = lay.num_real
-        out = varlen_attention(q[:r], k_seq, v_seq, state.meta, scale, self.kernel)
+        if segment_kernel is not None:
+            meta = self._path_state(state, path, segment_kernel, lambda: segment_kernel.meta(
+                lay.cu_seqlens_q, lay.cu_seqlens_k, True, q.device))
+            out = SegmentVarlen.apply(q[:r], k_seq, v_seq, segment_kernel, meta, scale)
+        else:
+            out = varlen_attention(q[:r], k_seq, v_seq, state.meta, scale, "flash")
         out = torch.cat((out, q.new_zeros((lay.num_tokens - r, *q.shape[1:]))))
         if r == 0:
             # No queries here, but peers may still send dK/dV back in backward: keep the
@@ -264,19 +276,30 @@ class ContextParallelAttention:
 
     def execution_path(self, q: torch.Tensor) -> tuple[str, SegmentKernel | None]:
         """(path, segment kernel) a call with queries like ``q`` runs: ``segments`` or
-        ``segment_ring`` (a ``p2p_ring`` plan), ``gathered`` (flash-attn), ``ring`` or
-        ``lean`` (the torch kernel); see the module docstring. Probes flash-attn's private
-        API once per device, dtype and head dim."""
+        ``segment_ring`` (a ``p2p_ring`` plan), ``gathered`` (a segment kernel's one call,
+        or flash-attn's public varlen function: kernel None), ``ring`` or ``lean`` (the
+        torch kernel); see the module docstring. Probes a kernel once per device, dtype and
+        head dim (``aten_flash.choose_kernel``)."""
+        path, found, _ = self._choice(q)
+        return path, found
+
+    def kernel_record(self, q: torch.Tensor) -> dict[str, str]:
+        """What a call with queries like ``q`` runs: path, kernel name, FlashAttention impl
+        (``FA2``, ``FA3``, ``FA4`` behind PyTorch's ops) and torch version."""
+        return kernel_record(*self._choice(q))
+
+    def _choice(self, q: torch.Tensor) -> tuple[str, SegmentKernel | None, bool]:
         ring = self.comm_mode == "p2p_ring"
-        found = self.segment_kernel
-        if found is None and uses_flash(q, self.kernel):
-            if self.flash_path == "segments" and q.dim() == 3:
-                found = flash_segments(q.device, q.dtype, q.shape[-1])
-            if found is None:
-                return "gathered", None
+        if self.segment_kernel is not None:
+            return ("segment_ring" if ring else "segments"), self.segment_kernel, False
+        found, flash_gathered = choose_kernel(self.kernel, q, self.flash_path)
         if found is not None:
-            return ("segment_ring" if ring else "segments"), found
-        return ("ring" if ring else "lean"), None
+            if self.flash_path == "gathered":
+                return "gathered", found, False
+            return ("segment_ring" if ring else "segments"), found, False
+        if flash_gathered:
+            return "gathered", None, True
+        return ("ring" if ring else "lean"), None, False
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str) -> None:
         if self.verify == "never" or (self.verify == "first" and self._verified):

@@ -7,12 +7,16 @@ and merges them by log-sum-exp; these are the two kernels it can run:
 - ``ReferenceSegments``: exact PyTorch (``kernels.attention_forward`` /
   ``attention_backward`` on ``build_masked_meta``), any device and dtype, float64-exact;
   the CPU tests run the flash path with it;
+- ``aten_flash.AtenSegments``: PyTorch's own FlashAttention ops
+  (``torch.ops.aten._flash_attention_forward`` / ``_backward``), the default CUDA kernel;
 - ``FlashSegments``: flash-attn's ``_flash_attn_varlen_forward`` /
   ``_flash_attn_varlen_backward`` (flash-attn 2.8: CUDA, fp16/bf16). These are private
   functions of ``flash_attn.flash_attn_interface``; :func:`flash_segments` checks their
   parameters and runs a tiny probe against the reference before use, and returns None (one
   warning per process) where they are missing or differ, so the runtime falls back to the
-  gathered path.
+  gathered path (opt-in: kernel ``flash``).
+
+``SegmentVarlen`` runs one call of any of them under autograd (the gathered path).
 
 Contract (shape legend as ``kernels.py``: T query rows, K key rows, H heads, G KV heads):
 
@@ -76,7 +80,7 @@ class SegmentKernel(Protocol):
                  meta: SegmentMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-def _segment_meta(cu_q: np.ndarray, cu_k: np.ndarray, causal: bool, device: torch.device,
+def segment_meta(cu_q: np.ndarray, cu_k: np.ndarray, causal: bool, device: torch.device,
                   masked: VarlenMeta | None) -> SegmentMeta:
     cu_q, cu_k = np.asarray(cu_q, np.int64), np.asarray(cu_k, np.int64)
     if len(cu_q) != len(cu_k) or len(cu_q) < 2 or (np.diff(cu_q) < 0).any() or (np.diff(cu_k) < 0).any():
@@ -107,7 +111,7 @@ class ReferenceSegments:
             q_pos = np.repeat(lk - 1, lq)
         masked = build_masked_meta(np.repeat(segs, lq), q_pos, np.repeat(segs, lk),
                                    expand_ranges(np.zeros(len(lk), np.int64), lk), device)
-        return _segment_meta(cu_q, cu_k, causal, device, masked)
+        return segment_meta(cu_q, cu_k, causal, device, masked)
 
     def forward(self, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
                 meta: SegmentMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +190,7 @@ class FlashSegments:
 
     def meta(self, cu_q: np.ndarray, cu_k: np.ndarray, causal: bool,
              device: torch.device) -> SegmentMeta:
-        return _segment_meta(cu_q, cu_k, causal, device, None)
+        return segment_meta(cu_q, cu_k, causal, device, None)
 
     def forward(self, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
                 meta: SegmentMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +214,26 @@ class FlashSegments:
             softmax_scale=scale, causal=meta.causal, window_size_left=-1, window_size_right=-1,
             softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
         return dq, dk, dv
+
+
+class SegmentVarlen(torch.autograd.Function):
+    """One differentiable call of a segment kernel, ``out [T, H, D]`` in q's dtype: the
+    gathered path on a segment kernel (every query sees a key there)."""
+
+    @staticmethod
+    def forward(ctx: Any, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,  # type: ignore[override]
+                kernel: SegmentKernel, meta: SegmentMeta, scale: float) -> torch.Tensor:
+        out, lse = kernel.forward(q_THD, k_KGD, v_KGD, meta, scale)
+        out = out.to(q_THD.dtype)
+        ctx.save_for_backward(q_THD, k_KGD, v_KGD, out, lse)
+        ctx.kernel, ctx.meta, ctx.scale = kernel, meta, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, ctx.meta, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 PROBE_TOL = 5e-2

@@ -129,8 +129,8 @@ def plan(
         str | None, typer.Option(help="full, compact_allgather, alltoallv, p2p_ring")
     ] = None,
     kernel: Annotated[str | None, typer.Option(
-        help="Kernel profile (default: the runtime's kernel: PLANNER_KERNEL_PROFILE or the "
-             "installed flash-attn)")] = None,
+        help="Kernel profile (default: the runtime's kernel: PLANNER_KERNEL_PROFILE, else "
+             "h100-aten-fa2, PyTorch's own FlashAttention-2)")] = None,
     link: Annotated[str, typer.Option(help="Link profile")] = "nvlink",
     seed: Seed = 0,
     max_kv_tokens_per_rank: KvBound = None,

@@ -5,7 +5,8 @@ the step-time terms from runs of the worker runtime (``planner_service.core.prof
 and writes them as a profile JSON (:func:`kernel_profile_from_dict`). Nothing outside
 this file hard-codes a hardware number.
 
-The default kernel profile follows the kernel the runtime calls (:func:`default_kernel_profile`,
+The default kernel profile follows the kernel the runtime calls, PyTorch's own
+FlashAttention-2 unless declared otherwise (:func:`default_kernel_profile`,
 :func:`default_kernel_name`): a request without a kernel profile resolves it when it is built.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import asdict, dataclass, fields
 from importlib import metadata
 from typing import Any
@@ -104,6 +106,8 @@ class LinkProfile:
 H100_COPY_GBPS = 1500.0
 """H100 SXM HBM3 3.35 TB/s (datasheet); a copy reads and writes each byte, so ~1.5 TB/s
 written at ~90% of peak."""
+H200_COPY_GBPS = 2150.0
+"""H200 SXM HBM3e 4.8 TB/s (datasheet); read and write per byte at ~90% of peak."""
 GPU_OP_US = 5.0
 """One small eager CUDA op: ~5 us launch latency (CUDA launch overhead, PyTorch dispatch)."""
 
@@ -140,6 +144,43 @@ KERNEL_PROFILES: dict[str, KernelProfile] = {
         copy_gbps=H100_COPY_GBPS,
         op_overhead_us=GPU_OP_US,
         source="FA3 paper arXiv:2407.08608 FA2 baselines; FA2 launch templates",
+    ),
+    # PyTorch's own FlashAttention-2 (torch.ops.aten._flash_attention_forward/_backward, the
+    # runtime's default CUDA kernel, worker_runtime/aten_flash.py) on H100 SXM5. PyTorch
+    # vendors flash-attn's FA2 kernels (torch.nn.attention._get_flash_version(): "2.5.7",
+    # aten/src/ATen/native/transformers/cuda/flash_attn), so the FA2 figures above apply:
+    # the coefficients are h100-fa2's, from the cited benchmarks, not measured here; a GPU
+    # fit (bench/gpu_check.py, bench/model_check.py) replaces them.
+    "h100-aten-fa2": KernelProfile(
+        name="h100-aten-fa2",
+        fwd_tflops=335.0,
+        bwd_tflops=300.0,
+        tile_q=128,
+        tile_k=64,
+        call_overhead_us=30.0,
+        per_seq_us=0.6,
+        linear_tflops=650.0,
+        copy_gbps=H100_COPY_GBPS,
+        op_overhead_us=GPU_OP_US,
+        source="PyTorch's vendored FA2 (flash-attn 2.5.7 kernels); rates of the FA3 paper "
+               "arXiv:2407.08608 FA2 baselines (cited, not measured here); H100 SXM datasheet",
+    ),
+    # The same kernels on H200 SXM: the H100's compute (132 SMs, 989 dense bf16 TFLOP/s,
+    # NVIDIA H200 datasheet), so the compute-bound attention and GEMM rates are H100's;
+    # HBM3e 4.8 TB/s raises the copy rate (H200_COPY_GBPS). Cited, not measured here.
+    "h200-aten-fa2": KernelProfile(
+        name="h200-aten-fa2",
+        fwd_tflops=335.0,
+        bwd_tflops=300.0,
+        tile_q=128,
+        tile_k=64,
+        call_overhead_us=30.0,
+        per_seq_us=0.6,
+        linear_tflops=650.0,
+        copy_gbps=H200_COPY_GBPS,
+        op_overhead_us=GPU_OP_US,
+        source="PyTorch's vendored FA2 (flash-attn 2.5.7 kernels); rates of the FA3 paper "
+               "arXiv:2407.08608 FA2 baselines (cited, not measured here); H200 SXM datasheet",
     ),
     # The runtime's PyTorch kernel on CPU (worker_runtime/kernels.py: blocks of 256 queries
     # x 256 keys over the packed rows, a Python loop per block pair). Order of magnitude for
@@ -211,10 +252,17 @@ def get_link_profile(name: str) -> LinkProfile:
 
 KERNEL_ENV = "PLANNER_KERNEL_PROFILE"
 """Environment variable declaring the kernel profile the runtime's kernel matches."""
-RUNTIME_FLASH_ATTN = "2.8.3"
-"""The flash-attn version the runtime is built against (pyproject ``gpu`` extra)."""
+RUNTIME_DEFAULT_PROFILE = "h100-aten-fa2"
+"""The profile of the runtime's default CUDA kernel, PyTorch's own FlashAttention-2, where
+nothing tells which GPU or impl runs it."""
+ATEN_PROFILES = {("FA2", "H100"): "h100-aten-fa2", ("FA2", "H200"): "h200-aten-fa2",
+                 ("FA3", "H100"): "h100-fa3", ("FA3", "H200"): "h100-fa3"}
+"""(FlashAttention impl behind PyTorch's ops, GPU) -> profile. FA3 through PyTorch runs the
+flash_attn_3 package's kernels: the FA3 profile (H200: the H100's compute). FA4 has no
+profile yet: declare one."""
 FLASH_ATTN_PROFILES = {2: "h100-fa2", 3: "h100-fa3"}
-"""flash-attn major version -> the H100 profile of that kernel generation."""
+"""flash-attn major version -> the H100 profile of that kernel generation (the opt-in
+``flash`` kernel: declare it with PLANNER_KERNEL_PROFILE when the runtime runs it)."""
 
 
 @functools.cache
@@ -227,20 +275,51 @@ def flash_attn_version() -> str | None:
         return None
 
 
+def aten_profile(impl: str, device_name: str) -> tuple[str, str]:
+    """(profile, why) for PyTorch's FlashAttention under ``impl`` (``FA2``, ``FA3``, ``FA4``)
+    on the GPU named ``device_name`` (``torch.cuda.get_device_name``)."""
+    gpu = next((g for g in ("H200", "H100") if g in device_name.upper()), None)
+    if gpu is None:
+        return (RUNTIME_DEFAULT_PROFILE, f"PyTorch's FlashAttention {impl} on {device_name}, a GPU "
+                f"with no profile here; priced as H100 FA2 (declare one with {KERNEL_ENV})")
+    name = ATEN_PROFILES.get((impl, gpu))
+    if name is None:
+        return (f"{gpu.lower()}-aten-fa2", f"PyTorch's FlashAttention runs {impl} on {device_name}, "
+                f"which has no profile here; priced as FA2 (declare one with {KERNEL_ENV})")
+    return name, f"PyTorch's FlashAttention {impl} on {device_name}"
+
+
+def _this_process() -> tuple[str, str] | None:
+    """(impl, GPU name) when this process already runs torch with CUDA initialised (a
+    training job planning in-process); never imports torch or initialises CUDA."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        import torch.nn.attention as tna
+
+        current = getattr(tna, "current_flash_attention_impl", None)
+        impl = (current() if current is not None else None) or "FA2"
+        return impl, torch.cuda.get_device_name()
+    except Exception:  # noqa: BLE001 - a half-initialised torch tells nothing
+        return None
+
+
 def default_kernel_profile(
-    environ: dict[str, str] | None = None, installed: str | None | bool = False
+    environ: dict[str, str] | None = None, runtime: tuple[str, str] | None | bool = False
 ) -> tuple[str, str]:
     """(profile name, why) for the kernel the runtime runs.
 
-    1. Declared: ``PLANNER_KERNEL_PROFILE`` names a profile (ValueError if unknown).
-    2. Installed: flash-attn 2.x -> ``h100-fa2``, 3.x -> ``h100-fa3``. The runtime calls
-       ``flash_attn.flash_attn_varlen_func`` of whatever flash-attn is installed.
-    3. Neither (a planner host without a GPU stack): ``h100-fa2``, because the runtime's
-       GPU kernel is flash-attn's varlen function from the ``gpu`` extra, pinned to
-       flash-attn 2.8.3 (FA2 kernels).
+    1. Declared: ``PLANNER_KERNEL_PROFILE`` names a profile (ValueError if unknown); the
+       way to plan for the opt-in flash-attn kernel (``h100-fa2``, ``h100-fa3``), a fitted
+       profile or another GPU.
+    2. This process runs CUDA (torch imported, CUDA initialised): PyTorch's FlashAttention
+       impl and GPU here (:func:`aten_profile`).
+    3. Otherwise ``h100-aten-fa2``: the runtime's default CUDA kernel is PyTorch's own
+       FlashAttention-2, whatever else is installed (flash-attn is opt-in).
 
-    ``environ`` and ``installed`` (a version string, None for "not installed") replace
-    the process environment and the installed-package lookup in tests.
+    ``environ`` and ``runtime`` ((impl, GPU name), None for "no CUDA here") replace the
+    process environment and the in-process look-up in tests.
     """
     env = os.environ if environ is None else environ
     declared = env.get(KERNEL_ENV)
@@ -250,14 +329,12 @@ def default_kernel_profile(
         except ValueError as exc:
             raise ValueError(f"{KERNEL_ENV}: {exc}") from None
         return declared, f"declared by {KERNEL_ENV}"
-    version = flash_attn_version() if installed is False else installed
-    if isinstance(version, str):
-        major = version.split(".")[0]
-        name = FLASH_ATTN_PROFILES.get(int(major) if major.isdigit() else -1)
-        if name is not None:
-            return name, f"flash-attn {version} installed"
-    return (FLASH_ATTN_PROFILES[2], f"flash-attn not installed here; the runtime's GPU kernel is "
-            f"flash-attn {RUNTIME_FLASH_ATTN} (pyproject gpu extra), FlashAttention-2 kernels")
+    here = _this_process() if runtime is False else runtime
+    if isinstance(here, tuple):
+        return aten_profile(*here)
+    return (RUNTIME_DEFAULT_PROFILE, "the runtime's default CUDA kernel is PyTorch's own "
+            "FlashAttention-2 (torch.ops.aten._flash_attention_*); no GPU here to tell H100 "
+            f"from H200 (declare another with {KERNEL_ENV})")
 
 
 def default_kernel_name() -> str:

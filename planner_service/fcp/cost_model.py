@@ -228,6 +228,18 @@ PROFILES: dict[str, FcpProfile] = {
         "h100-llama3-8b-fa2", kernel=get_kernel_profile("h100-fa2"), link=get_link_profile("nvlink"),
         inter_link=get_link_profile("infiniband"), model=ModelSpec(), ranks_per_node=8,
     ),
+    # Same with PyTorch's own FlashAttention-2 (the runtime's default CUDA kernel), on H100
+    # and on H200: the FA2 coefficients (cited, not measured here; core/profiles.py).
+    "h100-llama3-8b-aten-fa2": derive_profile(
+        "h100-llama3-8b-aten-fa2", kernel=get_kernel_profile("h100-aten-fa2"),
+        link=get_link_profile("nvlink"), inter_link=get_link_profile("infiniband"),
+        model=ModelSpec(), ranks_per_node=8,
+    ),
+    "h200-llama3-8b-aten-fa2": derive_profile(
+        "h200-llama3-8b-aten-fa2", kernel=get_kernel_profile("h200-aten-fa2"),
+        link=get_link_profile("nvlink"), inter_link=get_link_profile("infiniband"),
+        model=ModelSpec(), ranks_per_node=8,
+    ),
     # Every group crosses InfiniBand (one GPU per node, or a worst case).
     "h100-llama3-8b-ib": derive_profile(
         "h100-llama3-8b-ib", kernel=get_kernel_profile("h100-fa3"), link=get_link_profile("infiniband"),
@@ -240,7 +252,8 @@ PROFILES: dict[str, FcpProfile] = {
     ),
 }
 KERNEL_DEFAULTS = {"h100-fa3": "h100-llama3-8b", "h100-fa2": "h100-llama3-8b-fa2",
-                   "cpu-torch": "cpu-gloo"}
+                   "cpu-torch": "cpu-gloo", "h100-aten-fa2": "h100-llama3-8b-aten-fa2",
+                   "h200-aten-fa2": "h200-llama3-8b-aten-fa2"}
 """The FCP profile derived from each kernel profile (the default follows the kernel)."""
 
 
