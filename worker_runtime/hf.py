@@ -131,9 +131,16 @@ def cp_attention_forward(
     if attention_mask is not None:
         raise ValueError("attention_mask must be None: the plan's shards define the document mask")
     _check_keywords(module, attn, kwargs)
+    head_dim_v = value.shape[-1]
+    if head_dim_v > key.shape[-1]:
+        raise ValueError(f"value head dim {head_dim_v} exceeds the query/key head dim {key.shape[-1]} "
+                         f"({_where(module)}): not implemented by the CP runtime")
+    if head_dim_v < key.shape[-1]:
+        # Latent attention (MLA): zero columns of V give zero output columns; exact.
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - head_dim_v))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     out = attn(q, k, v, softmax_scale=scaling, sink=kwargs.get("s_aux"))
-    return out.unsqueeze(0), None
+    return out[..., :head_dim_v].unsqueeze(0), None
 
 
 def cp_attention_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:

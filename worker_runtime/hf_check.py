@@ -115,6 +115,11 @@ def inspect_model(model: Any) -> ModelSupport:
     if getattr(config, "is_causal", True) is False:
         raise ValueError("is_causal: bidirectional attention is not implemented by the CP runtime "
                          "(causal only); set config.is_causal = True")
+    if getattr(model, "_supports_attention_backend", True) is False:
+        raise ValueError(f"attn_implementation: {type(model).__name__} computes attention in its own "
+                         f"code, not through transformers' AttentionInterface "
+                         f"(_supports_attention_backend is False), so the CP attention would not run "
+                         f"in any layer; use a family that supports attention backends")
     problem = _mixer_problem(model, config)
     if problem:
         raise ValueError(problem)
