@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+from timing import scaled
 from torch.overrides import TorchFunctionMode
 
 pytestmark = [
@@ -109,6 +110,8 @@ def build(family: str) -> Any:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from worker_runtime.hf_check import inspect_model
+
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
     error: Exception | None = None
     for change in VARIANTS:
@@ -122,6 +125,10 @@ def build(family: str) -> Any:
             torch.manual_seed(0)
             model = cls(config).to(torch.float64)
             model.eval()  # dropout off; gradients still flow
+            try:
+                inspect_model(model)
+            except ValueError:
+                return model  # refused: the caller says why, nothing needs to run
             model.set_attn_implementation("eager")
             with torch.no_grad():
                 model(input_ids=torch.arange(3, 10)[None], position_ids=torch.arange(7)[None], use_cache=False)
@@ -267,8 +274,8 @@ def run_families(names: list[str] | None = None) -> dict[str, dict]:
     from worker_runtime.testing import run_distributed
 
     names = families() if names is None else names
-    per_rank = run_distributed(families_worker, WORLD_SIZE, family_plan_json(), names, timeout_s=600.0,
-                               pg_timeout_s=120.0)
+    per_rank = run_distributed(families_worker, WORLD_SIZE, family_plan_json(), names,
+                               timeout_s=scaled(300.0), pg_timeout_s=120.0)
     return per_rank[0]
 
 

@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.slow,
 ]
 
-DOC_LENGTHS = [37, 120, 5, 90, 64]
+DOC_LENGTHS = [37, 100, 5, 60]
 WINDOW = 128
 WORLD_SIZE = 3
 VOCAB = 96
@@ -37,7 +37,7 @@ def tiny_gpt_oss() -> Any:
 
     config = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                          num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=256,
+                          num_experts_per_tok=2, sliding_window=WINDOW,
                           experts_implementation="eager", pad_token_id=0, use_cache=False)
     assert config.layer_types == ["sliding_attention", "full_attention"]
     torch.manual_seed(0)
@@ -98,7 +98,7 @@ def worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
         for n, p in model.named_parameters():
             assert p.grad is not None, n
             dist.all_reduce(p.grad)
-            grads[n] = p.grad.clone()
+            grads[n] = p.grad.numpy().copy()  # numpy: tensors would cross as shared memory
         results[path] = {"loss": total_loss.item(), "grads": grads,
                          "path": attn.execution_path(torch.zeros(1, 4, 8, dtype=torch.float64))[0]}
     return results
@@ -115,12 +115,14 @@ def test_gpt_oss_trains_exactly_with_sinks_on_every_path() -> None:
     assert plan.metrics.num_split_docs > 0
     ref_loss, ref_grads = reference()
     sinks = [n for n in ref_grads if n.endswith("sinks")]
-    assert len(sinks) == 2 and min(ref_grads[n].abs().max().item() for n in sinks) > 1e-3
+    assert len(sinks) == 2 and min(ref_grads[n].abs().max().item() for n in sinks) > 1e-5
     per_rank = run_distributed(worker, WORLD_SIZE, plan.to_json(), timeout_s=scaled(240.0))
     for path in PATHS:
         got = per_rank[0][path]
         assert got["path"] == path
         assert abs(got["loss"] - ref_loss) <= TOL, (path, got["loss"], ref_loss)
         for name, want in ref_grads.items():
-            err = (got["grads"][name] - want).abs().max().item()
+            err = float(abs(got["grads"][name] - want.numpy()).max())
             assert err <= TOL, f"{path} {name}: {err:.2e}"
+            if name in sinks:  # small gradients: relative to their size too
+                assert err <= 1e-9 * want.abs().max().item(), f"{path} {name}: {err:.2e}"

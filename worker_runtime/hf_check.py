@@ -9,7 +9,10 @@ field to change.
   recurrent or convolution mixers): the runtime shards the sequence for attention only, so
   such a mixer would see only its rank's tokens;
 - attention soft-capping (``attn_logit_softcapping``): no kernel of the runtime applies it;
-- bidirectional or encoder-decoder models (``is_causal``, ``is_encoder_decoder``).
+- bidirectional or encoder-decoder models (``is_causal``, ``is_encoder_decoder``);
+- families whose attention does not go through transformers' ``AttentionInterface``
+  (``_supports_attention_backend`` False: hand-written attention, ALiBi or learned
+  positions computed from the local sequence).
 
 Sliding windows are recorded per layer (``ModelSupport.windows``): a window at least as
 long as every document is exactly causal, so ``check_plan`` refuses, before any attention
@@ -115,14 +118,14 @@ def inspect_model(model: Any) -> ModelSupport:
     if getattr(config, "is_causal", True) is False:
         raise ValueError("is_causal: bidirectional attention is not implemented by the CP runtime "
                          "(causal only); set config.is_causal = True")
-    if getattr(model, "_supports_attention_backend", True) is False:
-        raise ValueError(f"attn_implementation: {type(model).__name__} computes attention in its own "
-                         f"code, not through transformers' AttentionInterface "
-                         f"(_supports_attention_backend is False), so the CP attention would not run "
-                         f"in any layer; use a family that supports attention backends")
     problem = _mixer_problem(model, config)
     if problem:
         raise ValueError(problem)
+    if getattr(model, "_supports_attention_backend", True) is False:
+        raise ValueError(f"attn_implementation: {type(model).__name__} does not route its attention "
+                         f"through transformers' AttentionInterface (_supports_attention_backend is "
+                         f"False: its own attention code, masks or positions would run on each rank's "
+                         f"tokens alone); use a family that supports attention backends")
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         raise ValueError(f"attn_logit_softcapping: attention soft-capping ({softcap}, every layer from "

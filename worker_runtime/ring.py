@@ -127,7 +127,7 @@ def shift(link: RingLink, tensors: tuple[torch.Tensor, ...], direction: str) -> 
     bytes sent on the counter."""
     works, bufs = [], []
     for tag, x in enumerate(tensors):
-        buf = torch.empty_like(x)
+        buf = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as gloo receives
         works.append(dist.isend(x.contiguous(), group=link.group, group_dst=link.send_to, tag=tag))
         works.append(dist.irecv(buf, group=link.group, group_src=link.recv_from, tag=tag))
         bufs.append(buf)
