@@ -256,6 +256,8 @@ def families_worker(rank: int, world_size: int, plan_json: str, names: list[str]
             if rank == 0 and VERBOSE:
                 print(f"{name}: {results[name]['outcome']} {time.perf_counter() - t0:.2f} s",
                       file=sys.stderr, flush=True)
+    if VERBOSE:
+        print(f"rank {rank}: {time.process_time():.1f} s CPU", file=sys.stderr, flush=True)
     return results
 
 
@@ -287,6 +289,30 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def short_reason(res: dict) -> str:
+    """The refusal's option and cause (before the advice), or the error's first line."""
+    text = res["reason"].replace("|", "/").splitlines()[0]
+    return text.split("; ")[0][:160]
+
+
+def summary(results: dict[str, dict]) -> str:
+    """The markdown docs/training.md carries: families by outcome, with reasons."""
+    by: dict[str, list[str]] = {}
+    for name, res in sorted(results.items()):
+        by.setdefault(res["outcome"], []).append(name)
+    parts = [f"**Run exactly** ({len(by.get('exact', []))}): " + ", ".join(by.get("exact", [])) + "."]
+    for outcome, title in (("refused", "Refused by `enable_cp_attention`"),
+                           ("refused at call", "Refused by the attention function (first forward, "
+                                               "before any attention runs)"),
+                           ("skipped", "Not tested: no tiny model from a generic config on CPU"),
+                           ("WRONG", "WRONG (a bug: numbers off the reference)")):
+        names = by.get(outcome, [])
+        if names:
+            parts.append(f"**{title}** ({len(names)}):\n\n| family | why |\n|---|---|\n"
+                         + "\n".join(f"| {n} | {short_reason(results[n])} |" for n in names))
+    return "\n\n".join(parts)
+
+
 def test_every_family_matches_the_reference_or_is_refused() -> None:
     results = run_families()
     wrong = {n: r for n, r in results.items() if r["outcome"] == "WRONG"}
@@ -296,4 +322,8 @@ def test_every_family_matches_the_reference_or_is_refused() -> None:
 
 
 if __name__ == "__main__":
-    print(table(run_families(sys.argv[1:] or None)))
+    # python tests/test_hf_families.py [--markdown] [family ...]
+    args = sys.argv[1:]
+    markdown = "--markdown" in args
+    found = run_families([a for a in args if a != "--markdown"] or None)
+    print(summary(found) if markdown else table(found))

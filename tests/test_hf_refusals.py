@@ -58,7 +58,7 @@ def test_rejects_soft_capping_at_enable_naming_the_config_field() -> None:
 def test_rejects_linear_attention_layers_at_enable_naming_layer_and_field() -> None:
     model = model_of("Qwen3Next", num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
                      layer_types=["full_attention", "linear_attention"])
-    with pytest.raises(ValueError, match=r"^layer 1 is 'linear_attention', not attention: .*config\.layer_types\[1\]"):
+    with pytest.raises(ValueError, match=r"^layer 1 is 'linear_attention', which the CP runtime does not implement .*config\.layer_types\[1\]"):
         enable_cp_attention(model)
 
 

@@ -81,8 +81,9 @@ def _mixer_problem(model: Any, config: Any) -> str | None:
     if types is not None:
         for i, t in enumerate(types):
             if t not in ATTENTION_LAYER_TYPES:
-                return (f"layer {i} is {t!r}, not attention: the CP runtime shards the sequence for "
-                        f"attention only (allowed: {', '.join(ATTENTION_LAYER_TYPES)}); change "
+                return (f"layer {i} is {t!r}, which the CP runtime does not implement (it runs "
+                        f"{' and '.join(ATTENTION_LAYER_TYPES)} layers; a linear-attention, state-space "
+                        f"or convolution mixer would see only its rank's tokens); change "
                         f"config.layer_types[{i}] or run this model without CP")
     for name, module in model.named_modules():
         cls = type(module).__name__
