@@ -96,6 +96,10 @@ def families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+class TooLarge(ValueError):
+    """The family ignored the tiny config's fields (its own names for them)."""
+
+
 DROP = object()
 VARIANTS: tuple[dict[str, Any], ...] = (
     {}, {"head_dim": DROP}, {"num_key_value_heads": 4}, {"head_dim": DROP, "num_key_value_heads": 4})
@@ -120,8 +124,8 @@ def build(family: str) -> Any:
             config = cls.config_class(**{k: v for k, v in fields.items() if v is not DROP})
             with torch.device("meta"):  # on a copy: building may write to its config
                 size = sum(p.numel() for p in cls(copy.deepcopy(config)).parameters())
-            if size > MAX_PARAMS:
-                raise ValueError(f"the generic tiny config is not honoured ({size:,} parameters)")
+            if size > MAX_PARAMS:  # no variant shrinks a model that ignores the fields
+                raise TooLarge(f"the generic tiny config is not honoured ({size:,} parameters)")
             torch.manual_seed(0)
             model = cls(config).to(torch.float64)
             model.eval()  # dropout off; gradients still flow
@@ -133,6 +137,8 @@ def build(family: str) -> Any:
             with torch.no_grad():
                 model(input_ids=torch.arange(3, 10)[None], position_ids=torch.arange(7)[None], use_cache=False)
             return model
+        except TooLarge:
+            raise
         except Exception as exc:  # noqa: BLE001 - try the next variant
             error = exc
     assert error is not None

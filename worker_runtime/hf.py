@@ -32,8 +32,8 @@ ATTN_IMPLEMENTATION = "cp_planner"
 IGNORE_INDEX = -100
 SUPPORT_ATTRIBUTE = "_cp_planner_support"
 _ACTIVE: ContextVar[ContextParallelAttention | None] = ContextVar("cp_attention", default=None)
-_CHECKED: set[tuple[tuple[LayerWindow, ...], str]] = set()
-"""(windows, plan_id) pairs already checked."""
+_CHECKED: dict[tuple[LayerWindow, ...], str] = {}
+"""A model's windows -> the plan_id last checked against them (one entry per model kind)."""
 
 
 HARMLESS_KEYWORDS = {
@@ -182,18 +182,18 @@ def enable_cp_attention(model: Any, name: str = ATTN_IMPLEMENTATION) -> Any:
 def check_plan(support: ModelSupport | Any, plan: Plan) -> None:
     """Raise ValueError (layer, window, longest document, config field) if some layer's
     sliding window is shorter than ``plan``'s longest document. ``support``: a model
-    passed to ``enable_cp_attention`` or its ``ModelSupport``. Cached per plan."""
+    passed to ``enable_cp_attention`` or its ``ModelSupport``. A plan just checked against
+    the same windows is not checked again."""
     if not isinstance(support, ModelSupport):
         support = getattr(support, SUPPORT_ATTRIBUTE, None)
         if support is None:
             raise ValueError("check_plan: the model was not passed to enable_cp_attention")
-    key = (support.windows, plan.plan_id)
-    if key in _CHECKED:
+    if _CHECKED.get(support.windows) == plan.plan_id:
         return
     problem = window_problem(support.windows, plan.doc_lengths)
     if problem:
         raise ValueError(problem)
-    _CHECKED.add(key)
+    _CHECKED[support.windows] = plan.plan_id
 
 
 @contextmanager
