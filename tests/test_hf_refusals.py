@@ -148,3 +148,14 @@ def test_refuses_a_padding_mask_with_zeros_and_allows_an_all_ones_one() -> None:
         ones[0, 3] = 0
         with pytest.raises(ValueError, match=r"^attention_mask: a padding mask with zeros is not implemented"):
             model(**batch, attention_mask=ones)
+
+
+def test_rejects_gpt_oss_documents_longer_than_its_sliding_layers_window() -> None:
+    from test_hf_gpt_oss import WINDOW, tiny_gpt_oss
+
+    model = enable_cp_attention(tiny_gpt_oss())
+    check_plan(model, one_rank_plan([WINDOW, 3]))  # as long as the window: exactly causal
+    with pytest.raises(ValueError, match=rf"^sliding_window: layer 0 has a window of {WINDOW} tokens but the "
+                                         rf"plan's longest document has {WINDOW + 1}; .*raise config\.sliding_window "
+                                         rf"to >= {WINDOW + 1}, set config\.layer_types\[0\] = 'full_attention'"):
+        check_plan(model, one_rank_plan([WINDOW + 1, 3]))

@@ -47,7 +47,9 @@ class LayerWindow(NamedTuple):
     window: int
     """Tokens a query sees, itself included (transformers: key j visible iff i - W < j <= i)."""
     field: str
-    """The config field(s) that set it."""
+    """The config field that sets its size."""
+    typed: bool = False
+    """Whether ``config.layer_types`` makes this layer a sliding one."""
 
 
 class ModelSupport(NamedTuple):
@@ -102,7 +104,7 @@ def _windows(config: Any, num_layers: int) -> tuple[LayerWindow, ...]:
     if not window:
         return ()
     if types is not None:
-        return tuple(LayerWindow(i, int(window), f"config.sliding_window / config.layer_types[{i}]")
+        return tuple(LayerWindow(i, int(window), "config.sliding_window", typed=True)
                      for i, t in enumerate(types) if t == "sliding_attention")
     if getattr(config, "use_sliding_window", True) is False:
         return ()
@@ -145,6 +147,7 @@ def window_problem(windows: tuple[LayerWindow, ...], doc_lengths: Any) -> str | 
             return (f"sliding_window: layer {w.layer} has a window of {w.window} tokens but the plan's "
                     f"longest document has {longest}; windows shorter than a document are not "
                     f"implemented by the CP runtime (a window >= every document runs exactly as "
-                    f"causal): raise {w.field} to >= {longest}, make that layer full_attention, "
-                    f"or plan documents of at most {w.window} tokens")
+                    f"causal): raise {w.field} to >= {longest}"
+                    + (f", set config.layer_types[{w.layer}] = 'full_attention'" if w.typed else "")
+                    + f", or plan documents of at most {w.window} tokens")
     return None
