@@ -26,6 +26,11 @@ Per call, by comm mode and kernel:
   segment kernel's, ``segkernels.SegmentVarlen``, or flash-attn's public varlen function);
   a ring plan runs its bytes as ``full`` there.
 
+Attention sinks (``attention(..., sink=)``, one logit per query head) merge into every
+path's log-sum-exp after its last part (``sinks.py``); the gathered path with a sink runs
+its one call as a segment kernel call (flash-attn's varlen forward/backward, or the exact
+reference on the torch kernel), which returns the log-sum-exp the merge needs.
+
 ``segment_kernel`` runs the segments path (or the segment ring) with another kernel on any
 device (the tests pass the exact ``segkernels.ReferenceSegments``). ``overlap=False`` waits
 for every exchange right after starting it (same arithmetic).
@@ -48,7 +53,7 @@ from worker_runtime import dispatch as _dispatch
 from worker_runtime.aten_flash import RUNTIME_KERNELS, choose_kernel, kernel_record
 from worker_runtime.comm import CommCounter, Exchanger, KVExchange
 from worker_runtime.groups import group_cache
-from worker_runtime.kernels import VarlenMeta, build_meta, varlen_attention
+from worker_runtime.kernels import VarlenMeta, build_meta, uses_flash, varlen_attention
 from worker_runtime.layout import (
     COMM_MODES,
     CommMap,
@@ -62,8 +67,14 @@ from worker_runtime.overlap import LeanAttention, LeanState, build_state, local_
 from worker_runtime.ring import RingAttention, build_ring_state, ring_link
 from worker_runtime.safety import CollectiveCheckError, agree, local_input_problem
 from worker_runtime.segattention import SegmentAttention, build_segment_state
-from worker_runtime.segkernels import SegmentKernel, SegmentVarlen
+from worker_runtime.segkernels import (
+    ReferenceSegments,
+    SegmentKernel,
+    SegmentVarlen,
+    flash_segments,
+)
 from worker_runtime.segring import SegmentRingAttention, build_segment_ring_state
+from worker_runtime.sinks import GatheredSinkAttention, check_sink
 
 VERIFY = ("first", "always", "never")
 FLASH_PATHS = ("segments", "gathered")
@@ -220,56 +231,69 @@ class ContextParallelAttention:
 
     # -- attention ---------------------------------------------------------------------
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Context-parallel attention on local ``q [T, H, D]``, ``k, v [T, G, D]``.
 
-        Returns the local output ``[T, H, D]``; padding rows are zero. Raises
-        CollectiveCheckError on every rank of the group if any rank's inputs do not
-        match the plan (checked on the first call, or every call with verify='always').
+        ``sink``: None, or one logit per query head ``[H]`` added to every query's softmax
+        denominator (attention sinks, ``sinks.py``; differentiable, each rank's gradient is
+        the part of its own queries). Returns the local output ``[T, H, D]``; padding rows
+        are zero. Raises ValueError for a sink of another shape, CollectiveCheckError on
+        every rank of the group if any rank's inputs do not match the plan (checked on the
+        first call, or every call with verify='always').
         """
         lay = self.layout
+        check_sink(sink, q.shape[1])
         path, segment_kernel = self.execution_path(q)
         self._check(q, k, v, path)
         if lay.group_index < 0:
             # No rows; tied to q, k, v so a caller's backward gives them (empty) gradients.
-            return q * 0 + (k.sum() + v.sum()) * 0
+            tied = (k.sum() + v.sum() + (sink.sum() if sink is not None else 0)) * 0
+            return q * 0 + tied
         state = self._state(q.device)
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         if path == "segments":
             assert segment_kernel is not None
             seg = self._path_state(state, path, segment_kernel, lambda: build_segment_state(
                 lay, self.comm_map, segment_kernel, q.device, state.exchanger))
-            return SegmentAttention.apply(q, k, v, seg, scale, self.overlap)
+            return SegmentAttention.apply(q, k, v, seg, scale, self.overlap, sink)
         if path == "segment_ring":
             assert segment_kernel is not None
             link = ring_link(lay, self.process_group, self.order, self.counter)
             seg_ring = self._path_state(state, path, segment_kernel, lambda: build_segment_ring_state(
                 lay, segment_kernel, link, q.device))
-            return SegmentRingAttention.apply(q, k, v, seg_ring, scale, self.overlap)
+            return SegmentRingAttention.apply(q, k, v, seg_ring, scale, self.overlap, sink)
         if path == "ring":
             ring = self._path_state(state, path, None, lambda: build_ring_state(
                 lay, self.process_group, self.order, self.counter, q.device))
-            return RingAttention.apply(q, k, v, ring, scale, self.overlap)
+            return RingAttention.apply(q, k, v, ring, scale, self.overlap, sink)
         if path == "lean":
-            return LeanAttention.apply(q, k, v, state.lean, scale, self.overlap)
+            return LeanAttention.apply(q, k, v, state.lean, scale, self.overlap, sink)
         kv = torch.stack((k, v), dim=1)
         source = KVExchange.apply(kv, state.exchanger)
         # Gathering K and V apart gives the contiguous [keys, G, D] tensors flash-attn wants.
         k_seq = source[:, 0].index_select(0, state.kv_index)
         v_seq = source[:, 1].index_select(0, state.kv_index)
         r = lay.num_real
+        with_sink = sink is not None and r > 0
         if segment_kernel is not None:
             meta = self._path_state(state, path, segment_kernel, lambda: segment_kernel.meta(
                 lay.cu_seqlens_q, lay.cu_seqlens_k, True, q.device))
-            out = SegmentVarlen.apply(q[:r], k_seq, v_seq, segment_kernel, meta, scale)
+            if with_sink:
+                out = GatheredSinkAttention.apply(q[:r], k_seq, v_seq, sink, segment_kernel, meta, scale)
+            else:
+                out = SegmentVarlen.apply(q[:r], k_seq, v_seq, segment_kernel, meta, scale)
+        elif with_sink:
+            kern, meta = self._gathered_sink_kernel(state, q)
+            out = GatheredSinkAttention.apply(q[:r], k_seq, v_seq, sink, kern, meta, scale)
         else:
             out = varlen_attention(q[:r], k_seq, v_seq, state.meta, scale, "flash")
         out = torch.cat((out, q.new_zeros((lay.num_tokens - r, *q.shape[1:]))))
         if r == 0:
             # No queries here, but peers may still send dK/dV back in backward: keep the
             # exchange in the graph so this rank joins that collective.
-            out = out + source.sum() * 0
+            out = out + (source.sum() + (sink.sum() if sink is not None else 0)) * 0
         return out
 
     __call__ = attention
@@ -333,6 +357,21 @@ class ContextParallelAttention:
                 paths={},
             )
         return self._states[device]
+
+    def _gathered_sink_kernel(self, state: _DeviceState, q: torch.Tensor) -> tuple[SegmentKernel, Any]:
+        """The segment kernel (flash-attn's private varlen forward/backward where the gathered
+        path runs flash-attn's public varlen function, else the exact reference) and its one
+        causal call's metadata for the gathered path with a sink (the sink needs the call's log-sum-exp). Raises ValueError where
+        the flash kernel runs but its varlen API cannot be used."""
+        flash = uses_flash(q, "auto")
+        kern: SegmentKernel | None = flash_segments(q.device, q.dtype, q.shape[-1]) if flash else ReferenceSegments()
+        if kern is None:
+            raise ValueError("attention sinks on the flash kernel need flash-attn's varlen forward/backward "
+                             "with log-sum-exp (segkernels.flash_segments), which cannot be used here: "
+                             "pass kernel='torch' or drop the sink")
+        lay = self.layout
+        return kern, self._path_state(state, "gathered_sink", kern, lambda: kern.meta(
+            lay.cu_seqlens_q, lay.cu_seqlens_k, True, q.device))
 
     @staticmethod
     def _path_state(state: _DeviceState, path: str, kernel: SegmentKernel | None,

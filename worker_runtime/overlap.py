@@ -48,6 +48,7 @@ from worker_runtime.kernels import (
     build_masked_meta,
 )
 from worker_runtime.layout import CommMap, RankLayout
+from worker_runtime.sinks import merge_sink_, sink_grad
 
 
 def remote_query_rows(layout: RankLayout, comm: CommMap) -> np.ndarray:
@@ -115,11 +116,13 @@ def merge_parts(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, out2: 
 
 
 class LeanAttention(torch.autograd.Function):
-    """``out [T, H, D]`` of the local queries; see the module docstring."""
+    """``out [T, H, D]`` of the local queries; see the module docstring. ``sink``: None or
+    one logit per query head ``[H]`` (``sinks.py``), merged after the parts."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                state: LeanState, scale: float, overlap: bool) -> torch.Tensor:
+                state: LeanState, scale: float, overlap: bool,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
         ex, r = state.exchanger, state.num_real
         t, h, d = q.shape
         g = k.shape[1]
@@ -137,14 +140,15 @@ class LeanAttention(torch.autograd.Function):
             out2, lse2 = attention_forward(q.index_select(0, rows), k_far, v_far,
                                            state.remote_meta, scale)
             merge_parts(out, lse, rows, out2, lse2)
+        merge_sink_(out.view(r, h, d), lse.view(r, h), sink)
         result = torch.cat((out.view(r, h, d).to(q.dtype), q.new_zeros((t - r, h, d))))
-        ctx.save_for_backward(q, k, v, k_far, v_far, result, lse)
+        ctx.save_for_backward(q, k, v, k_far, v_far, result, lse, sink)
         ctx.state, ctx.scale, ctx.overlap, ctx.groups = state, scale, overlap, g
         return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
-        q, k, v, k_far, v_far, result, lse = ctx.saved_tensors
+        q, k, v, k_far, v_far, result, lse, sink = ctx.saved_tensors
         state, scale, ex, r = ctx.state, ctx.scale, ctx.state.exchanger, ctx.state.num_real
         t, h, d = q.shape
         g = ctx.groups
@@ -175,4 +179,5 @@ class LeanAttention(torch.autograd.Function):
             dk.index_add_(0, ex.send_index, returned[0])
             dv.index_add_(0, ex.send_index, returned[1])
         dq_full = torch.cat((dq.view(r, h, d).to(q.dtype), q.new_zeros((t - r, h, d))))
-        return dq_full, dk, dv, None, None, None
+        d_sink = sink_grad(lse.view(r, h), delta.view(r, h), sink)
+        return dq_full, dk, dv, None, None, None, d_sink

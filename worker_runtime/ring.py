@@ -43,6 +43,7 @@ from worker_runtime.kernels import (
 )
 from worker_runtime.layout import RankLayout, expand_ranges
 from worker_runtime.overlap import merge_parts
+from worker_runtime.sinks import merge_sink_, sink_grad
 
 
 def rows_seeing(doc: np.ndarray, pos: np.ndarray, key_doc: np.ndarray, key_pos: np.ndarray) -> np.ndarray:
@@ -126,7 +127,7 @@ def shift(link: RingLink, tensors: tuple[torch.Tensor, ...], direction: str) -> 
     bytes sent on the counter."""
     works, bufs = [], []
     for tag, x in enumerate(tensors):
-        buf = torch.empty_like(x)
+        buf = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as gloo receives
         works.append(dist.isend(x.contiguous(), group=link.group, group_dst=link.send_to, tag=tag))
         works.append(dist.irecv(buf, group=link.group, group_src=link.recv_from, tag=tag))
         bufs.append(buf)
@@ -199,11 +200,13 @@ def ring_backward(link: RingLink, num_ranks: int, block: Block, overlap: bool,
 
 
 class RingAttention(torch.autograd.Function):
-    """``out [T, H, D]`` of the local queries; see the module docstring."""
+    """``out [T, H, D]`` of the local queries; see the module docstring. ``sink``: None or
+    one logit per query head ``[H]`` (``sinks.py``), merged after the last step."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                state: RingState, scale: float, overlap: bool) -> torch.Tensor:
+                state: RingState, scale: float, overlap: bool,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
         r = state.num_real
         t, h, d = q.shape
         found: list[torch.Tensor] = []
@@ -219,14 +222,15 @@ class RingAttention(torch.autograd.Function):
 
         ring_forward(state.link, state.num_ranks, r, (k, v), overlap, local, step)
         out, lse = found
+        merge_sink_(out.view(r, h, d), lse.view(r, h), sink)
         result = torch.cat((out.view(r, h, d).to(q.dtype), q.new_zeros((t - r, h, d))))
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sink)
         ctx.state, ctx.scale, ctx.overlap = state, scale, overlap
         return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
-        q, k, v, result, lse = ctx.saved_tensors
+        q, k, v, result, lse, sink = ctx.saved_tensors
         state, scale, overlap = ctx.state, ctx.scale, ctx.overlap
         r = state.num_real
         t, h, d = q.shape
@@ -257,7 +261,7 @@ class RingAttention(torch.autograd.Function):
             own_k, own_v = carry.wait()
             dk, dv = dk + own_k, dv + own_v
         dq_full = torch.cat((dq.view(r, h, d).to(q.dtype), q.new_zeros((t - r, h, d))))
-        return dq_full, dk, dv, None, None, None
+        return dq_full, dk, dv, None, None, None, sink_grad(lse.view(r, h), delta.view(r, h), sink)
 
 
 class Landed:

@@ -50,6 +50,7 @@ from worker_runtime.comm import Exchanger
 from worker_runtime.layout import CommMap, RankLayout
 from worker_runtime.segkernels import SegmentKernel, SegmentMeta
 from worker_runtime.segments import SegmentCall, SegmentPlan, build_segment_plan
+from worker_runtime.sinks import merge_sink_, row_delta, sink_grad
 
 
 class SegmentState(NamedTuple):
@@ -205,11 +206,14 @@ def from_buffer(x_loc: torch.Tensor, state: SegmentState, num_tokens: int,
 
 
 class SegmentAttention(torch.autograd.Function):
-    """``out [T, H, D]`` of the local queries over the exchange; see the module docstring."""
+    """``out [T, H, D]`` of the local queries over the exchange; see the module docstring.
+    ``sink``: None or one logit per query head ``[H]`` (``sinks.py``), merged after the
+    remote calls."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                state: SegmentState, scale: float, overlap: bool) -> torch.Tensor:
+                state: SegmentState, scale: float, overlap: bool,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
         ex = state.exchanger
         assert ex is not None
         pending = ex.start_forward(k, v)
@@ -222,14 +226,15 @@ class SegmentAttention(torch.autograd.Function):
         del bufs  # the receive buffers go; the remote buffer stays for backward
         ex.counter.hold(state.num_real + len(k_far))
         forward_remote(state, q_loc, k_far, v_far, out, lse, scale)
+        merge_sink_(out, lse.t(), sink)
         result = from_buffer(out, state, q.shape[0], q.dtype)
-        ctx.save_for_backward(q_loc, k_loc, v_loc, k_far, v_far, result, lse)
+        ctx.save_for_backward(q_loc, k_loc, v_loc, k_far, v_far, result, lse, sink)
         ctx.state, ctx.scale, ctx.overlap = state, scale, overlap
         return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
-        q_loc, k_loc, v_loc, k_far, v_far, result, lse = ctx.saved_tensors
+        q_loc, k_loc, v_loc, k_far, v_far, result, lse, sink = ctx.saved_tensors
         state, scale = ctx.state, ctx.scale
         ex = state.exchanger
         t = result.shape[0]
@@ -257,7 +262,8 @@ class SegmentAttention(torch.autograd.Function):
         if returned is not None:
             dk.index_add_(0, ex.send_index, returned[0])
             dv.index_add_(0, ex.send_index, returned[1])
-        return dq_full, dk, dv, None, None, None
+        d_sink = sink_grad(lse.t(), row_delta(do_loc, out_loc, acc), sink)
+        return dq_full, dk, dv, None, None, None, d_sink
 
 
 class LocalSegmentAttention(torch.autograd.Function):

@@ -64,6 +64,7 @@ from worker_runtime.segattention import (
 )
 from worker_runtime.segkernels import SegmentKernel
 from worker_runtime.segments import SegmentCall, SegmentPlan, build_segment_plan
+from worker_runtime.sinks import merge_sink_, row_delta, sink_grad
 
 
 class QueryGroup(NamedTuple):
@@ -197,11 +198,14 @@ def build_segment_ring_state(layout: RankLayout, kernel: SegmentKernel, link: Ri
 
 
 class SegmentRingAttention(torch.autograd.Function):
-    """``out [T, H, D]`` of the local queries around the ring; see the module docstring."""
+    """``out [T, H, D]`` of the local queries around the ring; see the module docstring.
+    ``sink``: None or one logit per query head ``[H]`` (``sinks.py``), merged after the
+    last step."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                state: SegmentRingState, scale: float, overlap: bool) -> torch.Tensor:
+                state: SegmentRingState, scale: float, overlap: bool,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
         seg = state.segments
         q_loc = to_buffer(q, seg)
         found: list[torch.Tensor] = []
@@ -215,14 +219,15 @@ class SegmentRingAttention(torch.autograd.Function):
 
         ring_forward(state.link, state.num_ranks, seg.num_real, (k, v), overlap, local, step)
         out, lse = found
+        merge_sink_(out, lse.t(), sink)
         result = from_buffer(out, seg, q.shape[0], q.dtype)
-        ctx.save_for_backward(q_loc, k, v, result, lse)
+        ctx.save_for_backward(q_loc, k, v, result, lse, sink)
         ctx.state, ctx.scale, ctx.overlap = state, scale, overlap
         return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
-        q_loc, k, v, result, lse = ctx.saved_tensors
+        q_loc, k, v, result, lse, sink = ctx.saved_tensors
         state, scale = ctx.state, ctx.scale
         seg = state.segments
         t, acc = result.shape[0], lse.dtype
@@ -252,7 +257,8 @@ class SegmentRingAttention(torch.autograd.Function):
         if carry is not None:
             peer_k, peer_v = carry.wait()
             dk, dv = dk + peer_k, dv + peer_v
-        return dq_full, dk, dv, None, None, None
+        d_sink = sink_grad(lse.t(), row_delta(do_loc, out_loc, acc), sink)
+        return dq_full, dk, dv, None, None, None, d_sink
 
 
 class LocalSegmentRingAttention(torch.autograd.Function):
