@@ -20,6 +20,7 @@ from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
 from planner_service.core.validate import validate_plan
 from planner_service.solvers.baselines import llama3_layout, per_doc_layout, ring_layout
+from planner_service.solvers.contiguous_halo import contiguous_halo_layout
 from planner_service.solvers.flashcp import paper_layout
 from planner_service.solvers.flashcp_bounded import bounded_flashcp_layout
 from planner_service.solvers.gc_pause import paused_gc
@@ -129,6 +130,14 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
         description="Ring attention: packed sequence in N contiguous chunks; P2P ring exchange",
         solver=ring_layout,
         comm_mode="p2p_ring",
+        complexity="linear",
+    ),
+    Strategy(
+        name="contiguous_halo",
+        description="Contiguous halo (the baseline for sliding-window models): packed sequence "
+        "in N contiguous equal-token ranges; all-to-all-v (the halo of W - 1 keys per cut)",
+        solver=contiguous_halo_layout,
+        comm_mode="alltoallv",
         complexity="linear",
     ),
     Strategy(

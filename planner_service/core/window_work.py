@@ -1,0 +1,288 @@
+"""Work and KV exchange of a group's shards in a sliding-window layer, in closed form.
+
+A layer of window W (core/mask.py; None: causal) lets the query at document position p
+attend the keys ``[max(0, p - W + 1), p]``. For a shard ``[s, e)`` of a document:
+
+- **work** (query-key pairs): ``sum_{p=s}^{e-1} min(p + 1, W)``. With
+  ``a = min(e, max(s, W))`` the positions below W attend their prefix and the rest W keys:
+  ``(s + a + 1)(a - s) / 2 + (e - a) W``; W >= e gives ``cost.shard_workload``.
+- **halo** (keys needed from outside the shard): ``[max(0, s - W + 1), s)``, against the
+  causal prefix ``[0, s)``.
+
+Per rank of a group (shards disjoint, as plans hold them), for each comm mode of
+core/request.py:
+
+- ``alltoallv`` (the exact exchange): the distinct remote keys the rank needs: per doc the
+  union of its shards' ``[max(0, s - W + 1), e)`` minus its own tokens. With its shards of
+  the doc in start order and ``e_prev`` the end of the previous one (0 for the first),
+  each shard adds ``min(W - 1, s - e_prev)``; causal: the last end minus own tokens
+  (``cost.alltoallv_receives``).
+- ``compact_allgather``: each rank contributes, per shard, the tokens some other rank
+  needs. Halos reach only left, so the other ranks' needs inside ``[s, e)`` are a suffix,
+  set by the nearest later shard of the doc on another rank (start ``t``):
+  ``max(0, e - max(s, t - W + 1))``, 0 without one; every rank receives ``N - 1`` buffers
+  padded to the largest (``cost.CommVolumes.compact_allgather_tokens``).
+- ``full``: ``(N - 1) T`` for T tokens per rank, whatever the mask.
+- ``p2p_ring``: at step k = 1 .. N - 1 rank i holds the block of rank ``i - k`` (mod N);
+  the step is *useful* to i if that block holds a key inside the window of one of i's
+  queries: for a shard of i at s, the other rank's last shard of the doc below s ends
+  after ``s - W + 1``. Blocks move one hop per step, so a ring that skips the calls of
+  steps useful to no rank and stops after the last useful step of the group runs
+  ``steps_run`` shifts of T rows: ``steps_run T`` received per rank. Without skipping
+  (today's runtime, every layer): ``(N - 1) T``.
+
+A hybrid model's figures are the layer-weighted sums over the mask's groups
+(:func:`mask_figures`). Two forms of every figure: numpy over ``cost.ShardArrays`` (the
+``*_of`` functions, O(s log s) for s shards, the ring O(s log s + t) for t (shard, other
+holder of its doc) pairs, refused above ``masked_work.MAX_RING_PAIRS``) and a token by
+token reference (the ``reference_*`` functions, sets of keys, O(tokens x W)), compared in
+tests/test_core_window_work.py; W >= every doc reproduces core/cost.py's causal figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from planner_service.core import cost
+from planner_service.core import masked_work as mw
+from planner_service.core.mask import AttentionMask
+from planner_service.core.plan import Shard
+
+
+def shard_window_workload(start: int, end: int, window: int | None) -> int:
+    """Query-key pairs of shard ``[start, end)`` under ``window`` (module docstring)."""
+    if window is None:
+        return cost.shard_workload(start, end - start)
+    a = min(end, max(start, window))
+    return (start + a + 1) * (a - start) // 2 + (end - a) * window
+
+
+class Halo(NamedTuple):
+    """Doc positions ``[lo, hi)`` a shard's queries attend outside the shard."""
+
+    lo: int
+    hi: int
+
+    @property
+    def length(self) -> int:
+        return self.hi - self.lo
+
+
+def halo(start: int, window: int | None) -> Halo:
+    """The keys before ``start`` a shard starting there attends: ``[max(0, s - W + 1), s)``,
+    the whole prefix ``[0, s)`` when causal."""
+    return Halo(0 if window is None else max(0, start - window + 1), start)
+
+
+# Vectorised forms over cost.ShardArrays.
+
+
+def shard_window_workloads(arrays: cost.ShardArrays, window: int | None) -> np.ndarray:
+    """``shard_window_workload`` of every shard (int64). O(s)."""
+    s, e = arrays.start, arrays.end
+    if window is None:
+        return cost.shard_workloads(arrays)
+    a = np.minimum(e, np.maximum(s, window))
+    return (s + a + 1) * (a - s) // 2 + (e - a) * window
+
+
+def rank_window_workloads_of(arrays: cost.ShardArrays, window: int | None) -> list[int]:
+    """Per rank, the pairs of its shards under ``window``. O(s)."""
+    return cost.per_rank_sums(shard_window_workloads(arrays, window), arrays.bounds).tolist()
+
+
+def _nonempty(arrays: cost.ShardArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    keep = arrays.end > arrays.start
+    return arrays.rank[keep], arrays.doc[keep], arrays.start[keep], arrays.end[keep]
+
+
+def window_comm_volumes_of(arrays: cost.ShardArrays, window: int | None) -> cost.CommVolumes:
+    """Per rank, the all-to-all-v receive and the compact all-gather send under ``window``
+    (module docstring). O(s log s)."""
+    n = len(arrays.bounds) - 1
+    rank, doc, start, end = _nonempty(arrays)
+    if len(rank) == 0:
+        return cost.CommVolumes(alltoallv_recv=(0,) * n, allgather_send=(0,) * n)
+    limit = np.iinfo(np.int64).max if window is None else window - 1
+    # All-to-all-v: the rank's shards of a doc in start order, each adding the part of its
+    # halo the rank's previous shard of the doc does not hold.
+    order = np.lexsort((start, doc, rank))
+    r, d, s, e = rank[order], doc[order], start[order], end[order]
+    prev = np.zeros(len(r), dtype=np.int64)
+    same = (r[1:] == r[:-1]) & (d[1:] == d[:-1])
+    prev[1:] = np.where(same, e[:-1], 0)
+    adds = np.minimum(limit, s - prev)
+    recv = cost.per_rank_sums(adds, np.searchsorted(r, np.arange(n + 1), side="left"))
+    # Compact all-gather: the doc's shards in start order, in runs of one rank; a shard's
+    # nearest later shard on another rank opens the next run of the same doc.
+    order = np.lexsort((start, doc))
+    r, d, s, e = rank[order], doc[order], start[order], end[order]
+    head = np.ones(len(r), dtype=bool)
+    head[1:] = (r[1:] != r[:-1]) | (d[1:] != d[:-1])
+    run_first = np.flatnonzero(head)
+    run = np.cumsum(head) - 1
+    next_first = np.append(run_first[1:], len(r))[run]
+    has_next = next_first < len(r)
+    next_first = np.minimum(next_first, len(r) - 1)
+    has_next &= d[next_first] == d
+    if window is None:
+        sent = np.where(has_next, e - s, 0)
+    else:
+        reach = np.maximum(s, s[next_first] - window + 1)
+        sent = np.where(has_next, np.maximum(0, e - reach), 0)
+    send = np.zeros(n, dtype=np.int64)
+    np.add.at(send, r, sent)
+    return cost.CommVolumes(alltoallv_recv=tuple(recv.tolist()),
+                            allgather_send=tuple(send.tolist()))
+
+
+class RingSchedule(NamedTuple):
+    """Which ring steps bring a rank a key inside its windows."""
+
+    useful: np.ndarray
+    """bool (N, N): ``useful[i, k]`` for step k = 1 .. N - 1 (column 0, the local step,
+    False)."""
+
+    @property
+    def steps_run(self) -> int:
+        """Shifts a ring that stops after the group's last useful step runs."""
+        steps = np.flatnonzero(self.useful.any(axis=0))
+        return int(steps[-1]) if len(steps) else 0
+
+    @property
+    def useful_steps(self) -> tuple[int, ...]:
+        """Per rank, the steps whose calls it runs."""
+        return tuple(self.useful.sum(axis=1).tolist())
+
+
+def ring_schedule_of(arrays: cost.ShardArrays, window: int | None) -> RingSchedule:
+    """``RingSchedule`` of a group (module docstring). O(s log s + t) for t (shard, other
+    holder of its doc) pairs: the pairs of ``masked_work.ring_seen`` (the other rank holds
+    tokens of the doc below the shard's start), kept where the last of them ends inside
+    the window; FieldError on ``comm_mode`` above ``masked_work.MAX_RING_PAIRS``."""
+    n = len(arrays.bounds) - 1
+    useful = np.zeros((n, n), dtype=bool)
+    rank, doc, start, end = _nonempty(arrays)
+    srt = mw.sort_shards(rank, doc, start, end, n)
+    seen = mw.ring_seen(srt)
+    if len(seen.shard) == 0:
+        return RingSchedule(useful)
+    shard, other = seen.shard, seen.other
+    if window is not None:
+        # The other run's last shard starting below the shard's start (shards disjoint:
+        # it ends at or below it).
+        stride = int((srt.start + srt.length).max()) + 1
+        key = srt.run * stride + srt.start
+        last = np.searchsorted(key, other * stride + srt.start[shard], side="left") - 1
+        inside = srt.start[last] + srt.length[last] > srt.start[shard] - window + 1
+        shard, other = shard[inside], other[inside]
+    steps = (srt.rank[shard] - srt.rank[srt.run_first[other]]) % n
+    useful[srt.rank[shard], steps] = True
+    return RingSchedule(useful)
+
+
+def recv_tokens(mode: str, volumes: cost.CommVolumes, tokens_per_rank: int,
+                ring: RingSchedule | None = None) -> tuple[int, ...]:
+    """Per-rank KV tokens received in ``mode`` for one windowed layer: as
+    ``cost.recv_tokens_by_mode`` on the window's volumes, except ``p2p_ring`` with a
+    ``ring`` schedule: ``steps_run`` shifts instead of N - 1."""
+    if mode == "p2p_ring" and ring is not None:
+        return (ring.steps_run * tokens_per_rank,) * len(volumes.alltoallv_recv)
+    return cost.recv_tokens_by_mode(mode, volumes, tokens_per_rank)
+
+
+class LayerFigures(NamedTuple):
+    """The figures of one layer group of a mask (per rank, group rank order)."""
+
+    window: int | None
+    layers: int
+    workload: tuple[int, ...]
+    volumes: cost.CommVolumes
+    recv: tuple[int, ...]
+    """KV tokens each rank receives per layer in the mode asked for."""
+
+
+class MaskFigures(NamedTuple):
+    """A group's figures under a mask: per layer group, and layer-weighted."""
+
+    layers: tuple[LayerFigures, ...]
+    workload: tuple[int, ...]
+    """Per rank, pairs summed over all layers: ``sum_g layers_g workload_g``."""
+    recv: tuple[int, ...]
+    """Per rank, KV tokens received summed over all layers."""
+    comm_tokens: int
+    """Each layer's exchange is its own collective: ``sum_g layers_g max_i recv_g[i]``."""
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the layer-weighted work."""
+        return cost.imbalance(self.workload)
+
+
+def mask_figures_of(arrays: cost.ShardArrays, mask: AttentionMask, *, comm_mode: str,
+                    tokens_per_rank: int, skip_ring_steps: bool = False) -> MaskFigures:
+    """The group's work and exchange under ``mask`` in ``comm_mode`` (``skip_ring_steps``:
+    a ``p2p_ring`` that runs only up to the last useful step in windowed layers; causal
+    layers always run N - 1). O(G (s log s + t)) for G windows."""
+    layers = []
+    for group in mask.groups:
+        volumes = window_comm_volumes_of(arrays, group.window)
+        ring = ring_schedule_of(arrays, group.window) if (
+            comm_mode == "p2p_ring" and skip_ring_steps and group.window is not None) else None
+        layers.append(LayerFigures(group.window, group.layers,
+                                   tuple(rank_window_workloads_of(arrays, group.window)),
+                                   volumes, recv_tokens(comm_mode, volumes, tokens_per_rank,
+                                                        ring)))
+    n = len(arrays.bounds) - 1
+    workload = tuple(sum(f.layers * f.workload[i] for f in layers) for i in range(n))
+    recv = tuple(sum(f.layers * f.recv[i] for f in layers) for i in range(n))
+    comm = sum(f.layers * max(f.recv, default=0) for f in layers)
+    return MaskFigures(tuple(layers), workload, recv, comm)
+
+
+# The token-by-token references: sets of (doc, position) keys.
+
+
+def reference_shard_workload(start: int, end: int, window: int | None) -> int:
+    """Count, query by query, the keys k <= p inside the window (p - k < W)."""
+    return sum(1 for p in range(start, end) for k in range(p + 1)
+               if window is None or p - k < window)
+
+
+def _needed(shards: Sequence[Shard], window: int | None) -> set[tuple[int, int]]:
+    """Every (doc, key) some query of ``shards`` attends."""
+    return {(doc, k) for doc, s, e in shards for p in range(s, e) for k in range(p + 1)
+            if window is None or p - k < window}
+
+
+def _held(shards: Sequence[Shard]) -> set[tuple[int, int]]:
+    return {(doc, p) for doc, s, e in shards for p in range(s, e)}
+
+
+def reference_comm_volumes(shards_per_rank: Sequence[Sequence[Shard]], window: int | None
+                           ) -> cost.CommVolumes:
+    """The receive and send volumes from key sets: a rank receives the keys it attends
+    and does not hold; it sends the keys it holds that another rank attends."""
+    needed = [_needed(shards, window) for shards in shards_per_rank]
+    held = [_held(shards) for shards in shards_per_rank]
+    recv = [len(need - own) for need, own in zip(needed, held, strict=True)]
+    send = [len(own & set().union(*(needed[q] for q in range(len(held)) if q != r)))
+            for r, own in enumerate(held)]
+    return cost.CommVolumes(alltoallv_recv=tuple(recv), allgather_send=tuple(send))
+
+
+def reference_ring_useful(shards_per_rank: Sequence[Sequence[Shard]], window: int | None
+                          ) -> np.ndarray:
+    """``RingSchedule.useful`` from key sets: step k is useful to rank i if rank i - k
+    holds a key rank i attends."""
+    n = len(shards_per_rank)
+    needed = [_needed(shards, window) for shards in shards_per_rank]
+    held = [_held(shards) for shards in shards_per_rank]
+    useful = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        for k in range(1, n):
+            useful[i, k] = bool(needed[i] & held[(i - k) % n])
+    return useful
