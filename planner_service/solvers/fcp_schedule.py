@@ -36,6 +36,7 @@ from planner_service.fcp.requests import (
     check_sequences,
 )
 from planner_service.fcp.schedule import plan_checked
+from planner_service.solvers.balance import declared
 from planner_service.solvers.fcp_strategy import Intra, group_layouts
 from planner_service.solvers.registry import get_strategy
 
@@ -131,7 +132,7 @@ def micro_batch_plan(
     ``groups`` index into them. The plan's doc_lengths are all their docs in that order;
     ``info["sequences"]`` records ``[first_doc, num_docs]`` of each.
     """
-    layouts = group_layouts(
+    plans = group_layouts(
         sequences, groups, starts, degrees, intra=intra, model=model, kernel=kernel,
         link=link, imbalance_target=imbalance_target,
     )
@@ -141,7 +142,8 @@ def micro_batch_plan(
         spans.append([first_doc, len(seq)])
         first_doc += len(seq)
     plan = build_plan(
-        Layout(groups=layouts, info={**info, "sequences": spans}),
+        Layout(groups=plans.layouts,
+               info=declared({**info, "sequences": spans}, plans.missed, imbalance_target)),
         strategy="fcp",
         cp_size=num_ranks,
         doc_lengths=[length for seq in sequences for length in seq],

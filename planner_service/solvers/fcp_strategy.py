@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.errors import FieldError
@@ -47,6 +47,7 @@ from planner_service.fcp.cost_model import DEFAULT_PROFILE, get_profile
 from planner_service.fcp.grouping import check_options, group_table, memory_error
 from planner_service.fcp.placement import place_groups
 from planner_service.fcp.schedule import plan_global_batch, sequence_stats
+from planner_service.solvers.balance import declared, missed
 from planner_service.solvers.kv_bound import (
     FIXED,
     Candidate,
@@ -126,13 +127,13 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
     def _layout(groups: Sequence[Sequence[int]], degrees: Sequence[int], makespan_ms: float,
                 candidate: str, memory_tokens: int) -> Layout:
         starts = place_groups(degrees, n, profile.ranks_per_node)
-        layouts = group_layouts(
+        plans = group_layouts(
             sequences, groups, starts, degrees, intra=strategy,
             model=request.model, kernel=request.kernel, link=request.link,
             imbalance_target=request.imbalance_target,
             max_kv_tokens_per_rank=request.max_kv_tokens_per_rank, comm_mode=mode,
         )
-        return Layout(groups=layouts, info={
+        return Layout(groups=plans.layouts, info=declared({
             "fcp_degrees": list(degrees),
             "fcp_group_docs": [list(g) for g in groups],
             "fcp_est_makespan_ms": makespan_ms,
@@ -140,7 +141,7 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
             "fcp_profile": profile.name,
             "intra_strategy": intra,
             "memory_tokens": memory_tokens,
-        })
+        }, plans.missed, request.imbalance_target))
 
     def one_group() -> Layout:
         every = list(range(len(sequences)))
@@ -160,6 +161,16 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
                         num_ranks=n, how=HOW).layout
 
 
+class GroupPlans(NamedTuple):
+    """The groups' layouts and what their intra plans declare."""
+
+    layouts: list[GroupLayout]
+    """In plan doc indices and global ranks, in rank order."""
+    missed: list[float]
+    """The imbalance of every group whose intra plan declares it missed R
+    (``balance.missed``), in group order."""
+
+
 def group_layouts(
     sequences: Sequence[Sequence[int]],
     groups: Sequence[Sequence[int]],
@@ -173,9 +184,9 @@ def group_layouts(
     imbalance_target: float,
     max_kv_tokens_per_rank: int | None = None,
     comm_mode: str | None = None,
-) -> list[GroupLayout]:
+) -> GroupPlans:
     """Each group's shards from the ``intra`` strategy's solver, in plan doc indices and
-    global ranks.
+    global ranks, and the imbalances of the groups that declare R missed.
 
     Plan doc indices number all docs of ``sequences`` in order; ``groups`` index into
     ``sequences``. Returned in rank order.
@@ -193,6 +204,7 @@ def group_layouts(
     for seq in sequences:
         first_doc.append(first_doc[-1] + len(seq))
     layouts = []
+    reached: list[float] = []
     refused: list[KvBoundError] = []
     for members, start, degree in zip(groups, starts, degrees, strict=True):
         global_doc = [first_doc[s] + t for s in members for t in range(len(sequences[s]))]
@@ -216,6 +228,9 @@ def group_layouts(
         except KvBoundError as exc:
             refused.append(exc)
             continue
+        worst = missed(solved.info)
+        if worst is not None:
+            reached.append(worst)
         for sub in solved.groups:
             layouts.append(GroupLayout(
                 ranks=tuple(start + r for r in sub.ranks),
@@ -230,4 +245,4 @@ def group_layouts(
                            kv_floor([x for seq in sequences for x in seq], sum(degrees),
                                     held_kv_mode(kernel, comm_mode)))
     layouts.sort(key=lambda g: g.ranks[0])
-    return layouts
+    return GroupPlans(layouts, reached)
