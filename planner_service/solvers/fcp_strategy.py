@@ -228,9 +228,9 @@ def group_layouts(
         except KvBoundError as exc:
             refused.append(exc)
             continue
-        worst = missed(solved.info)
-        if worst is not None:
-            reached.append(worst)
+        group_reached = missed(solved.info)
+        if group_reached is not None:
+            reached.append(group_reached)
         for sub in solved.groups:
             layouts.append(GroupLayout(
                 ranks=tuple(start + r for r in sub.ranks),

@@ -76,5 +76,5 @@ def bounded_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> 
                           doc_lengths=doc_lengths,
                           num_ranks=request.cp_size).layout
     # A looser candidate (or memory_first) is measured against the request's R: O(s).
-    worst = (imbalance(rank_workloads(g.shards)) for g in layout.groups)
+    worst = (imbalance(rank_workloads([list(r) for r in g.shards])) for g in layout.groups)
     return Layout(layout.groups, declared(layout.info, worst, request.imbalance_target))
