@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner_service.core.request import MAX_FCP_RANKS, MAX_TOKENS, check_int
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, FcpProfile, get_profile
 from planner_service.fcp.grouping import (
     Grouping,
@@ -94,8 +95,12 @@ def plan_global_batch(
 
     ``micro_batches`` fixes the count; None picks it (module docstring). Raises
     ValueError saying how many ranks or how much memory is missing if a sequence exceeds
-    ``N * E`` or the fixed count cannot hold the batch, and for a bad search or method.
+    ``N * E`` or the fixed count cannot hold the batch, for a bad search or method, and
+    (FieldError) for ``num_ranks`` outside 1 .. ``MAX_FCP_RANKS`` or ``memory_tokens``
+    outside 1 .. ``MAX_TOKENS``.
     """
+    check_int(num_ranks, "num_ranks", 1, MAX_FCP_RANKS)
+    check_int(memory_tokens, "memory_tokens", 1, MAX_TOKENS)
     return plan_checked(
         check_sequences(sequences), num_ranks=num_ranks, memory_tokens=memory_tokens,
         profile=get_profile(profile), full_attention=full_attention, search=search,
