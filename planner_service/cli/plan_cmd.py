@@ -197,7 +197,7 @@ def _summary_table(summaries: list[StrategySummary], title: str) -> Table:
             f"{s.imbalance_mean:.4f}",
             f"{s.imbalance_p99:.4f}",
             f"{s.saving:.1%}",
-            f"{s.saving_allgather:.1%}",
+            "none (padded)" if s.saving_allgather <= 0 else f"{s.saving_allgather:.1%}",
             f"{s.saving_alltoallv:.1%}",
             f"{s.est_step_ms:.3f}",
             f"{s.solve_ms_median:.3f}",
@@ -261,6 +261,12 @@ def compare_cmd(
     else:
         what = f"{len(sequences)} sequence(s)" + (f" of {dataset}" if dataset else "")
         console.print(_summary_table(summaries, f"{what}, N = {cp}"))
+        none = [s.strategy for s in summaries if s.saving_allgather <= 0]
+        if none:
+            note(f"compact all-gather saves nothing for {', '.join(none)} here: every rank's "
+                 "buffer is padded to the largest, and the largest is a whole rank's tokens "
+                 "(early chunks of a document others attend); not a choice over full "
+                 "(docs/strategies.md)")
     if plot:
         from planner_service.plot import plot_comparison
 
