@@ -274,3 +274,16 @@ def test_one_rank_limit_for_every_fcp_entry_point():
                                          memory_tokens=4096)):
         with pytest.raises(FieldError, match=f"num_ranks must be in \\[1, {MAX_FCP_RANKS}\\]"):
             call()
+
+
+def test_group_plans_do_not_depend_on_the_worker_count():
+    from planner_service.core.request import PlanRequest
+    from planner_service.solvers.flashcp_bounded import bounded_flashcp_layout
+    from planner_service.solvers.group_plans import solve_groups
+
+    rng = np.random.default_rng(5)
+    requests = [PlanRequest(doc_lengths=tuple(int(x) for x in rng.integers(1, 9000, size=12)),
+                            cp_size=int(rng.integers(1, 9))) for _ in range(9)]
+    one = solve_groups(bounded_flashcp_layout, requests, None, workers=1)
+    two = solve_groups(bounded_flashcp_layout, requests, None, workers=2)
+    assert [(g.groups, g.info) for g in one] == [(g.groups, g.info) for g in two]

@@ -48,14 +48,12 @@ from planner_service.fcp.grouping import check_options, group_table, memory_erro
 from planner_service.fcp.placement import place_groups
 from planner_service.fcp.schedule import plan_global_batch, sequence_stats
 from planner_service.solvers.balance import declared, missed
+from planner_service.solvers.group_plans import solve_groups
 from planner_service.solvers.kv_bound import (
-    FIXED,
     Candidate,
     KvBoundError,
     first_within,
     kv_floor,
-    layout_peak,
-    listed,
 )
 
 OPTIONS = {
@@ -184,6 +182,7 @@ def group_layouts(
     imbalance_target: float,
     max_kv_tokens_per_rank: int | None = None,
     comm_mode: str | None = None,
+    workers: int | None = None,
 ) -> GroupPlans:
     """Each group's shards from the ``intra`` strategy's solver, in plan doc indices and
     global ranks, and the imbalances of the groups that declare R missed.
@@ -198,16 +197,17 @@ def group_layouts(
     solved; if any refuses, raises ``KvBoundError`` naming the largest figure among the
     refusals: the least bound every group meets, the groups that met this bound meeting
     any larger one (their strategies meet every bound from their own figure on).
+
+    The groups are solved by ``group_plans.solve_groups``, on ``workers`` processes (None:
+    as many as pay off); the result does not depend on it.
     """
     bound = max_kv_tokens_per_rank
     first_doc = [0]
     for seq in sequences:
         first_doc.append(first_doc[-1] + len(seq))
-    layouts = []
-    reached: list[float] = []
-    refused: list[KvBoundError] = []
-    for members, start, degree in zip(groups, starts, degrees, strict=True):
-        global_doc = [first_doc[s] + t for s in members for t in range(len(sequences[s]))]
+    requests, global_docs = [], []
+    for members, degree in zip(groups, degrees, strict=True):
+        global_docs.append([first_doc[s] + t for s in members for t in range(len(sequences[s]))])
         request = PlanRequest(
             doc_lengths=tuple(length for s in members for length in sequences[s]),
             cp_size=degree, strategy=intra.name, model=model, kernel=kernel, link=link,
@@ -215,18 +215,14 @@ def group_layouts(
         )
         if bound is not None:
             request = replace(request, max_kv_tokens_per_rank=bound, comm_mode=comm_mode)
-        try:
-            solved = intra.solver(request.doc_lengths, request)
-            if bound is not None:
-                solved = listed(solved)
-                assert comm_mode is not None, "a KV bound is measured in the plan's exchange"
-                peak = layout_peak(solved, held_kv_mode(kernel, comm_mode))
-                if peak > bound:
-                    raise KvBoundError(bound, peak, FIXED,
-                                       kv_floor(request.doc_lengths, degree,
-                                                held_kv_mode(kernel, comm_mode)))
-        except KvBoundError as exc:
-            refused.append(exc)
+        requests.append(request)
+    layouts = []
+    reached: list[float] = []
+    refused: list[KvBoundError] = []
+    for solved, global_doc, start in zip(solve_groups(intra.solver, requests, comm_mode, workers),
+                                         global_docs, starts, strict=True):
+        if isinstance(solved, KvBoundError):
+            refused.append(solved)
             continue
         group_reached = missed(solved.info)
         if group_reached is not None:
