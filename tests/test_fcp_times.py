@@ -16,6 +16,8 @@ class TableTimes:
     """A ``Times`` read from an explicit (K, N + 1) table (any values, inf below each
     row's first finite degree)."""
 
+    small = False  # always the window search
+
     def __init__(self, table: np.ndarray) -> None:
         self.table = table
         self.k, self.n = table.shape[0], table.shape[1] - 1
@@ -58,7 +60,10 @@ def _groups(rng: np.random.Generator, k: int, memory: int) -> tuple[np.ndarray, 
     return tokens, units
 
 
-def test_times_are_the_table_bit_for_bit_and_give_its_optimum():
+def test_times_are_the_table_bit_for_bit_and_give_its_optimum(monkeypatch):
+    import planner_service.fcp.times as times_module
+
+    monkeypatch.setattr(times_module, "DENSE_LIMIT", 0)  # the window search on every size
     rng = np.random.default_rng(0)
     for profile in PROFILES.values():
         for k, n, memory in ((1, 1, 65536), (5, 8, 4096), (40, 64, 8192), (120, 500, 4096),

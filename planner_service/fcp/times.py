@@ -37,7 +37,11 @@ from typing import NamedTuple
 import numpy as np
 
 from planner_service.fcp.cost_model import FcpProfile, time_table, times_at
-from planner_service.fcp.dp import Degrees
+from planner_service.fcp.dp import Degrees, fill_spare_ranks, threshold_degrees
+
+DENSE_LIMIT = 1 << 18
+"""Entries K (N + 1) up to which the whole table is built and searched (``dp``): fewer
+numpy calls than the rounds of ``window_degrees`` on small batches, the same answer."""
 
 
 class Pool(NamedTuple):
@@ -62,6 +66,7 @@ class Times:
         self.profile = profile
         self.pool = pool
         self.k = len(self.tokens) + (pool is not None)
+        self._dense: np.ndarray | None = None
 
     def at(self, rows: np.ndarray, degrees: np.ndarray) -> np.ndarray:
         """T at each (row, degree) pair (degrees 0 .. N; 0 is inf, as in the table)."""
@@ -88,11 +93,19 @@ class Times:
         return bound
 
     def dense(self) -> np.ndarray:
-        """The (K, N + 1) table (``cost_model.time_table``, the pool row last): O(K N)."""
-        table = time_table(self.tokens, self.units, self.n, self.memory_tokens, self.profile)
-        if self.pool is None:
-            return table
-        return np.vstack([table, self._pool_at(np.arange(self.n + 1, dtype=np.float64))])
+        """The (K, N + 1) table (``cost_model.time_table``, the pool row last), built once:
+        O(K N)."""
+        if self._dense is None:
+            table = time_table(self.tokens, self.units, self.n, self.memory_tokens, self.profile)
+            if self.pool is not None:
+                table = np.vstack([table, self._pool_at(np.arange(self.n + 1, dtype=np.float64))])
+            self._dense = table
+        return self._dense
+
+    @property
+    def small(self) -> bool:
+        """Whether the whole table is within ``DENSE_LIMIT`` entries."""
+        return self.k * (self.n + 1) <= DENSE_LIMIT
 
     def column(self, degree: int) -> np.ndarray:
         """Every row's time at one degree."""
@@ -108,8 +121,10 @@ class Times:
 
 def window_degrees(times: Times) -> Degrees:
     """``dp.threshold_degrees`` of ``times.dense()``, from the entries that count (module
-    docstring)."""
+    docstring); on a small table, ``threshold_degrees`` of it."""
     k, n = times.k, times.n
+    if times.small:
+        return threshold_degrees(times.dense())
     if k == 0:
         return Degrees((), 0.0)
     if k > n:
@@ -171,7 +186,9 @@ def _segment_cummin(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
 def fill_spare(times: Times, degrees: tuple[int, ...], num_ranks: int) -> tuple[int, ...]:
     """``dp.fill_spare_ranks`` on ``times`` (the same degrees): ranks left over go one at
     a time to the slowest group one more rank makes strictly faster; each group's next
-    times read in chunks that double."""
+    times read in chunks that double (on a small table, ``fill_spare_ranks`` of it)."""
+    if times.small:
+        return fill_spare_ranks(times.dense(), degrees, num_ranks)
     spare = num_ranks - sum(degrees)
     out = list(degrees)
     if spare <= 0 or not out:
