@@ -39,7 +39,7 @@ import numpy as np
 from planner_service.fcp.cost_model import FcpProfile, time_table, times_at
 from planner_service.fcp.dp import Degrees, fill_spare_ranks, threshold_degrees
 
-DENSE_LIMIT = 1 << 18
+DENSE_LIMIT = 1 << 15
 """Entries K (N + 1) up to which the whole table is built and searched (``dp``): fewer
 numpy calls than the rounds of ``window_degrees`` on small batches, the same answer."""
 
