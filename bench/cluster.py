@@ -44,8 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from bench.scale import mixed_lengths
 from planner_service.core.request import PlanRequest
 from planner_service.data import FAMILIES, make_source, pack_sequences, sample_batch
 from planner_service.solvers.balance import TARGET_MET
@@ -176,12 +175,6 @@ def fcp_section(cfg: Config) -> dict[str, Any]:
             "schedule": sched, "exponents": exponents}
 
 
-def mixed_lengths(source: str, docs: int, seed: int = 0) -> list[int]:
-    """``docs`` lengths drawn from ``source``, scaled to about ``MIXED_TOKENS`` in all."""
-    raw = make_source(source).draw(np.random.default_rng(seed), docs).astype(np.float64)
-    return np.maximum(1, np.round(raw * (MIXED_TOKENS / raw.sum()))).astype(np.int64).tolist()
-
-
 def flashcp_section(cfg: Config) -> dict[str, Any]:
     started = load()
     rows = []
@@ -189,7 +182,7 @@ def flashcp_section(cfg: Config) -> dict[str, Any]:
         for d in cfg.docs:
             length, extra = divmod(MIXED_TOKENS, d)
             inputs = [("equal", [length + (i < extra) for i in range(d)])]
-            inputs += [(source, mixed_lengths(source, d)) for source in cfg.sources]
+            inputs += [(source, mixed_lengths(source, d, MIXED_TOKENS)) for source in cfg.sources]
             for name, seq in inputs:
                 request = PlanRequest(doc_lengths=tuple(seq), cp_size=n, context_length=None,
                                       imbalance_target=TARGET)
