@@ -14,6 +14,13 @@ fewer others). ``search="paper"``: every count is solved, the least total wins.
 static-degree groupings and one group, only the best count is solved (latency;
 portfolio.choose_split), and the bound it keeps within is the static baseline's total on
 its own best count, as reference_comparison.py measures it.
+
+Complexity, K sequences on N ranks: per micro-batch count tried (at most
+``MAX_EXTRA_MICRO_BATCHES + 1``), the split O(K log K) (LPT with a heap), then per
+micro-batch stage 1 O(K log K) per candidate grouping and stage 2 O((G + N) log N) per
+candidate of G groups (``grouping.py``, ``times.py``); the paper's DP check O(G N^2) only
+where G N^2 is within ``grouping.DP_CHECK_WORK``. No dense (K, N) table is built above
+``times.DENSE_LIMIT`` entries.
 """
 
 from __future__ import annotations
