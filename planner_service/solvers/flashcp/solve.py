@@ -34,8 +34,9 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
 
 3. If no pass meets R, Algorithm 1 (``paper.py``) within ``PAPER_WORK``; if that misses R
    too, Algorithm 1 again with more Per-Doc docs (up to ``paper.MAX_PER_DOC``, within
-   ``PAPER_RETRY_WORK``, on at most ``PAPER_RETRY_DOCS`` docs: on packed sequences of a few hundred short docs at N = 64, the
-   published algorithm needs 40-60 Per-Doc docs to reach R). The most balanced layout
+   ``PAPER_RETRY_WORK``, on at most ``PAPER_RETRY_DOCS`` docs and ``PAPER_RETRY_RANKS``
+   ranks: on packed sequences of a few hundred short docs at N = 64, the published
+   algorithm needs 40-60 Per-Doc docs to reach R). The most balanced layout
    found (pass or Algorithm 1) is returned; if it misses R, the strategy's info says so
    (``balance.declared``: ``imbalance_target_met`` false and ``imbalance_reached``).
 
@@ -115,6 +116,9 @@ neither the passes nor the first run within ``PAPER_WORK`` meet R."""
 PAPER_RETRY_DOCS = 4096
 """Docs up to which that second run is tried (above, each of its rounds places every doc
 again: hundreds of milliseconds on 100,000 docs)."""
+PAPER_RETRY_RANKS = 128
+"""Ranks up to which that second run is tried (above, each round copies and cuts over
+every rank: a quarter second for 20 rounds at N = 1,024)."""
 
 COMM_MODES = ("alltoallv", "compact_allgather", "full", "p2p_ring")
 
@@ -237,7 +241,8 @@ def flashcp_solve(
     rounds = paper_rounds(len(doc_lengths), n)
     imb, ranks, _ = algorithm1(doc_lengths, n, target, max_per_doc=rounds)
     more = paper_rounds(len(doc_lengths), n, PAPER_RETRY_WORK)
-    if imb > target and more > rounds and len(doc_lengths) <= PAPER_RETRY_DOCS:
+    if (imb > target and more > rounds and len(doc_lengths) <= PAPER_RETRY_DOCS
+            and n <= PAPER_RETRY_RANKS):
         retried, again, _ = algorithm1(doc_lengths, n, target, max_per_doc=more)
         if retried < imb:
             imb, ranks = retried, again
