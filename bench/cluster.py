@@ -148,7 +148,7 @@ def fcp_section(cfg: Config) -> dict[str, Any]:
     from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
 
     started = load()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for k, n in cfg.fcp_cells:
         seqs = sample_batch(make_source("wlbllm"), num_sequences=k, max_tokens=131072, seed=0)
         runs = [staged(lambda s=seqs, n=n: plan_global_batch(s, num_ranks=n, memory_tokens=MEMORY))
@@ -158,7 +158,7 @@ def fcp_section(cfg: Config) -> dict[str, Any]:
         print(f"plan_global_batch K {k} N {n}: {best['total']:.0f} ms "
               f"({', '.join(f'{s} {v:.0f}' for s, v in best.items() if s != 'total')})",
               flush=True)
-    sched = []
+    sched: list[dict[str, Any]] = []
     for k, n in cfg.schedule_cells:
         seqs = sample_batch(make_source("wlbllm"), num_sequences=k, max_tokens=131072, seed=0)
         request = ScheduleRequest(sequences=seqs, num_ranks=n, memory_tokens=MEMORY)
@@ -180,7 +180,7 @@ def fcp_section(cfg: Config) -> dict[str, Any]:
 
 def flashcp_section(cfg: Config) -> dict[str, Any]:
     started = load()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in cfg.doc_cps:
         for d in cfg.docs:
             length, extra = divmod(MIXED_TOKENS, d)
@@ -212,7 +212,7 @@ def flashcp_section(cfg: Config) -> dict[str, Any]:
 
 def contract_section(cfg: Config, mixed: list[dict]) -> dict[str, Any]:
     started = load()
-    cells = []
+    cells: list[dict[str, Any]] = []
     for strategy in ("flashcp", "flashcp_paper"):
         plans = missed = silent = 0
         for source in SOURCES:
@@ -236,7 +236,7 @@ def contract_section(cfg: Config, mixed: list[dict]) -> dict[str, Any]:
 
 def allgather_section(cfg: Config) -> dict[str, Any]:
     started = load()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for source in ("wlbllm", "code", "family:pile", "family:c4"):
         seqs = pack_sequences(make_source(source), context_length=131072,
                               num_sequences=cfg.allgather_sequences, seed=0)
