@@ -11,7 +11,9 @@ Writes ``--out`` (markdown), the same figures as JSON beside it, and a log-log p
   shared data sets and every parametric family, N = 2 .. 1024; per token count and N the
   min, median and p99 over all sequences of (a) the strategy's layout (``flashcp_layout``)
   and (b) ``solve(check=False)`` (layout, metrics and plan hash, as the service runs it).
-- **Docs sweep**: 2M tokens in D = 10 .. 100,000 equal docs, N = 8 and 1024.
+- **Docs sweep**: 2M tokens in D = 10 .. 100,000 docs, N = 8 and 1024: equal docs, and
+  mixed lengths drawn from each shared data set and family (``mixed_lengths``: D lengths
+  scaled to 2M tokens in all); per (D, N) the time of each input and the worst.
 - **Growth exponents**: least-squares slope of log(median layout time) against log N
   (N >= 8) per token count, and against log D per N.
 - **Adversarial inputs**: one doc filling the context at N = 1 .. 1024, one-token docs by
@@ -123,19 +125,33 @@ def n_sweep(cfg: Config) -> list[dict]:
     return rows
 
 
+def mixed_lengths(source: str, docs: int, tokens: int, seed: int = 0) -> list[int]:
+    """``docs`` lengths drawn from ``source`` (seeded), scaled to about ``tokens`` in all
+    (each x tokens / their sum, rounded, at least 1): a real length distribution at any
+    document count."""
+    import numpy as np
+
+    raw = make_source(source).draw(np.random.default_rng(seed), docs).astype(np.float64)
+    return np.maximum(1, np.round(raw * (tokens / raw.sum()))).astype(np.int64).tolist()
+
+
 def doc_sweep(cfg: Config) -> list[dict]:
     rows = []
     for n in cfg.doc_cps:
         for d in cfg.docs:
             length, extra = divmod(cfg.doc_tokens, d)
-            seq = [length + (i < extra) for i in range(d)]
-            request = request_for(seq, n)
-            layout = [timed(lambda: flashcp_layout(seq, request)) for _ in range(2)]  # noqa: B023
-            solved = [timed(lambda: solve(request, check=False)) for _ in range(2)]  # noqa: B023
-            rows.append({"docs": d, "n": n, "tokens": cfg.doc_tokens,
-                         "layout_ms": stats(layout), "solve_ms": stats(solved)})
-            print(f"{d} docs N {n}: layout {min(layout):.1f} ms, solve {min(solved):.1f} ms",
-                  flush=True)
+            inputs = [("equal", [length + (i < extra) for i in range(d)])]
+            inputs += [(source, mixed_lengths(source, d, cfg.doc_tokens)) for source in cfg.sources]
+            for name, seq in inputs:
+                request = request_for(seq, n)
+                layout = [timed(lambda: flashcp_layout(seq, request)) for _ in range(2)]  # noqa: B023
+                solved = [timed(lambda: solve(request, check=False)) for _ in range(2)]  # noqa: B023
+                rows.append({"docs": d, "n": n, "tokens": sum(seq), "input": name,
+                             "layout_ms": stats(layout), "solve_ms": stats(solved)})
+            cell = rows[-len(inputs):]
+            worst = max(cell, key=lambda r: r["solve_ms"]["min"])
+            print(f"{d} docs N {n}: equal layout {min(cell[0]['layout_ms'].values()):.1f} ms; "
+                  f"worst solve {worst['solve_ms']['min']:.1f} ms ({worst['input']})", flush=True)
     return rows
 
 
@@ -219,8 +235,10 @@ def exponents(n_rows: list[dict], doc_rows: list[dict]) -> dict[str, dict[str, f
             in_n[str(context)] = slope([r["n"] for r in rows], [r["layout_ms"]["median"] for r in rows])
     in_d = {}
     for n in sorted({r["n"] for r in doc_rows}):
-        rows = [r for r in doc_rows if r["n"] == n]
-        in_d[str(n)] = slope([r["docs"] for r in rows], [r["layout_ms"]["median"] for r in rows])
+        docs = sorted({r["docs"] for r in doc_rows if r["n"] == n})
+        worst = [max(r["layout_ms"]["median"] for r in doc_rows if r["n"] == n and r["docs"] == d)
+                 for d in docs]
+        in_d[str(n)] = slope(docs, worst)
     return {"n": in_n, "docs": in_d}
 
 
@@ -245,10 +263,12 @@ def plot(n_rows: list[dict], doc_rows: list[dict], path: Path) -> None:
     if n_rows:
         left.legend(fontsize=7)
     for n in sorted({r["n"] for r in doc_rows}):
-        rows = [r for r in doc_rows if r["n"] == n]
+        rows = [r for r in doc_rows if r["n"] == n and r.get("input", "equal") == "equal"]
         ds = [r["docs"] for r in rows]
-        right.plot(ds, [r["solve_ms"]["median"] for r in rows], marker="o", label=f"N = {n} solve")
-        right.plot(ds, [r["layout_ms"]["median"] for r in rows], linestyle="--", label=f"N = {n} layout")
+        right.plot(ds, [r["solve_ms"]["median"] for r in rows], marker="o", label=f"N = {n} equal, solve")
+        docs = sorted({r["docs"] for r in doc_rows if r["n"] == n})
+        right.plot(docs, [max(r["solve_ms"]["median"] for r in doc_rows if r["n"] == n and r["docs"] == d)
+                          for d in docs], linestyle="--", label=f"N = {n} worst input, solve")
     right.set(xscale="log", yscale="log", xlabel="documents D", ylabel="ms",
               title="against the number of documents")
     if doc_rows:
@@ -360,13 +380,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                      f"/ {sol['p99']:.2f} | {sol['max']:.1f} |")
     lines += ["", "Growth exponent in N (slope of log median layout time, N >= 8): " + ", ".join(
         f"{int(k) // 1024}K: {v:.2f}" for k, v in slopes["n"].items()) + ".", "",
-        f"## Against the number of documents ({cfg.doc_tokens} tokens in D equal docs)", "",
-        "| D | N | layout ms min / median | solve ms min / median |", "|---|---|---|---|"]
+        f"## Against the number of documents ({cfg.doc_tokens} tokens in D docs: equal, or "
+        "mixed lengths of each source scaled to that total)", "",
+        "| D | N | input | layout ms min / median | solve ms min / median |",
+        "|---|---|---|---|---|"]
     for r in doc_rows:
-        lines.append(f"| {r['docs']} | {r['n']} | {r['layout_ms']['min']:.1f} / "
-                     f"{r['layout_ms']['median']:.1f} | {r['solve_ms']['min']:.1f} / "
-                     f"{r['solve_ms']['median']:.1f} |")
-    lines += ["", "Growth exponent in D (slope of log median layout time): " + ", ".join(
+        lines.append(f"| {r['docs']} | {r['n']} | {r.get('input', 'equal')} | "
+                     f"{r['layout_ms']['min']:.1f} / {r['layout_ms']['median']:.1f} | "
+                     f"{r['solve_ms']['min']:.1f} / {r['solve_ms']['median']:.1f} |")
+    lines += ["", "Growth exponent in D (slope of log median layout time of the worst input): " + ", ".join(
         f"N = {k}: {v:.2f}" for k, v in slopes["docs"].items()) + ".", "",
         "## Adversarial inputs (each plan also validated)", "",
         "| input | sequences | solve ms median | solve ms max |", "|---|---|---|---|"]

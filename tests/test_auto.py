@@ -5,17 +5,19 @@ from __future__ import annotations
 import pytest
 
 from planner_service.core.request import PlanRequest
-from planner_service.solvers.auto import CANDIDATES, MODES, candidate_modes
+from planner_service.solvers.auto import CANDIDATES, MODES, candidate_modes, saves_nothing
 from planner_service.solvers.registry import solve
 
 
 def brute_force(**req):
-    """Every candidate solved on its own: (est_step_ms, strategy, mode), the least first."""
+    """Every candidate that is a choice solved on its own (a compact all-gather that saves
+    nothing is not one): (est_step_ms, strategy, mode), the least first."""
     out = []
     for i, name in enumerate(CANDIDATES):
         for j, mode in enumerate(candidate_modes(PlanRequest(**req))):
             plan = solve(PlanRequest(**req, strategy=name, comm_mode=mode))
-            out.append((plan.metrics.est_step_ms, i, j, name, mode))
+            if not saves_nothing(plan.metrics):
+                out.append((plan.metrics.est_step_ms, i, j, name, mode))
     return sorted(out)
 
 
@@ -33,8 +35,22 @@ def test_auto_is_the_least_predicted_candidate(req):
     assert plan.metrics.est_step_ms == pytest.approx(est)
     preds = plan.info["candidates"]
     assert len(preds) == len(CANDIDATES) * len(candidate_modes(PlanRequest(**req)))
-    assert min(p["est_step_ms"] for p in preds) == pytest.approx(est)
+    assert min(p["est_step_ms"] for p in preds if not p.get("saves_nothing")) == \
+        pytest.approx(est)
     assert plan.info["kernel_profile"] == plan.kernel
+
+
+def test_a_compact_allgather_that_saves_nothing_is_marked_not_chosen():
+    """One doc over every rank: each rank but one holds early chunks others attend, so its
+    buffer is all its tokens and compact all-gather moves what full moves."""
+    plan = solve(PlanRequest(doc_lengths=(32768,), cp_size=8, strategy="auto"))
+    marked = [p for p in plan.info["candidates"] if p.get("saves_nothing")]
+    assert marked and {p["comm_mode"] for p in marked} == {"compact_allgather"}
+    assert plan.comm_mode != "compact_allgather"
+    asked = solve(PlanRequest(doc_lengths=(32768,), cp_size=8, strategy="auto",
+                              comm_mode="compact_allgather"))
+    assert asked.comm_mode == "compact_allgather"
+    assert not any(p.get("saves_nothing") for p in asked.info["candidates"])
 
 
 def test_hand_built_case_no_exchange_wins():

@@ -256,3 +256,34 @@ def test_cli_schedule_and_fit_profile(tmp_path):
     out = runner.invoke(app, ["schedule", "--sequences", "9000;2000", "-N", "4",
                               "--profile", f"file:{profile}", "--no-plans"])
     assert out.exit_code == 0, out.output
+
+
+def test_one_rank_limit_for_every_fcp_entry_point():
+    """plan_global_batch and ScheduleRequest (so schedule, the CLI and the service) take
+    N up to MAX_FCP_RANKS and refuse one more, naming num_ranks."""
+    from planner_service.core.errors import FieldError
+    from planner_service.core.request import MAX_FCP_RANKS
+    from planner_service.fcp import plan_global_batch
+    from planner_service.solvers.fcp_schedule import ScheduleRequest
+
+    seqs = [[4096]] * 4
+    plan_global_batch(seqs, num_ranks=MAX_FCP_RANKS, memory_tokens=4096)
+    ScheduleRequest(sequences=seqs, num_ranks=MAX_FCP_RANKS, memory_tokens=4096)
+    for call in (lambda: plan_global_batch(seqs, num_ranks=MAX_FCP_RANKS + 1, memory_tokens=4096),
+                 lambda: ScheduleRequest(sequences=seqs, num_ranks=MAX_FCP_RANKS + 1,
+                                         memory_tokens=4096)):
+        with pytest.raises(FieldError, match=f"num_ranks must be in \\[1, {MAX_FCP_RANKS}\\]"):
+            call()
+
+
+def test_group_plans_do_not_depend_on_the_worker_count():
+    from planner_service.core.request import PlanRequest
+    from planner_service.solvers.flashcp_bounded import bounded_flashcp_layout
+    from planner_service.solvers.group_plans import solve_groups
+
+    rng = np.random.default_rng(5)
+    requests = [PlanRequest(doc_lengths=tuple(int(x) for x in rng.integers(1, 9000, size=12)),
+                            cp_size=int(rng.integers(1, 9))) for _ in range(9)]
+    one = solve_groups(bounded_flashcp_layout, requests, None, workers=1)
+    two = solve_groups(bounded_flashcp_layout, requests, None, workers=2)
+    assert [(g.groups, g.info) for g in one] == [(g.groups, g.info) for g in two]

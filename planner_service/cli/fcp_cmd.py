@@ -9,9 +9,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from planner_service.cli.common import console, fail
+from planner_service.cli.common import console, fail, note
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, PROFILES, get_profile
 from planner_service.fcp.requests import FcpResult
+from planner_service.solvers.balance import missed
 from planner_service.solvers.fcp_schedule import ScheduleRequest
 from planner_service.solvers.fcp_schedule import schedule as run_schedule
 
@@ -104,6 +105,12 @@ def schedule(
         f"{len(result.micro_batches)} micro-batch(es); solved in {result.solve_ms:.2f} ms, "
         f"plans built and validated in {result.plan_ms:.1f} ms ({result.profile}, {strategy})"
     )
+    missed_at = [(mb.index, missed(mb.plan.info)) for mb in result.micro_batches
+                 if mb.plan is not None and missed(mb.plan.info) is not None]
+    if missed_at:
+        note("imbalance target missed in a group of micro-batch(es) "
+             + ", ".join(f"{i} (worst group {r:.4f})" for i, r in missed_at)
+             + " (the plan's info.imbalance_target_met = false)")
     if compare:
         from planner_service.fcp.reference_comparison import compare_with_references
 

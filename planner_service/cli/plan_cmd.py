@@ -13,6 +13,7 @@ from planner_service.cli.common import console, fail, note
 from planner_service.core.plan import Plan
 from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import PlanRequest
+from planner_service.solvers.balance import missed
 from planner_service.solvers.kv_bound import FIELD as KV_FIELD
 from planner_service.solvers.kv_bound import plan_peak
 from planner_service.solvers.registry import prepare, strategy_names, timed_solve
@@ -110,6 +111,9 @@ def _metrics_table(plan: Plan) -> Table:
     ]
     if KV_FIELD in plan.info:
         rows.append(("KV peak (bound)", f"{plan_peak(plan):,} ({plan.info[KV_FIELD]:,})"))
+    reached = missed(plan.info)
+    if reached is not None:
+        rows.insert(1, ("imbalance target", f"MISSED (best reached {reached:.4f})"))
     for row in rows:
         table.add_row(*row)
     return table
@@ -165,6 +169,11 @@ def plan(
         return
     console.print(_rank_table(result))
     console.print(_metrics_table(result))
+    reached = missed(result.info)
+    if reached is not None:
+        note(f"imbalance target R = {request.imbalance_target} missed: the most balanced plan "
+             f"{request.strategy} found has imbalance {reached:.4f} (info.imbalance_target_met "
+             "= false)")
     console.print(f"solved in {solve_ms:.3f} ms ({where})")
 
 
@@ -188,7 +197,7 @@ def _summary_table(summaries: list[StrategySummary], title: str) -> Table:
             f"{s.imbalance_mean:.4f}",
             f"{s.imbalance_p99:.4f}",
             f"{s.saving:.1%}",
-            f"{s.saving_allgather:.1%}",
+            "none (padded)" if s.saving_allgather <= 0 else f"{s.saving_allgather:.1%}",
             f"{s.saving_alltoallv:.1%}",
             f"{s.est_step_ms:.3f}",
             f"{s.solve_ms_median:.3f}",
@@ -252,6 +261,12 @@ def compare_cmd(
     else:
         what = f"{len(sequences)} sequence(s)" + (f" of {dataset}" if dataset else "")
         console.print(_summary_table(summaries, f"{what}, N = {cp}"))
+        none = [s.strategy for s in summaries if s.saving_allgather <= 0]
+        if none:
+            note(f"compact all-gather saves nothing for {', '.join(none)} here: every rank's "
+                 "buffer is padded to the largest, and the largest is a whole rank's tokens "
+                 "(early chunks of a document others attend); not a choice over full "
+                 "(docs/strategies.md)")
     if plot:
         from planner_service.plot import plot_comparison
 

@@ -12,6 +12,11 @@ from planner_service.core.model import ModelSpec
 from planner_service.core.profiles import default_kernel_name, get_kernel_profile, get_link_profile
 
 MAX_CP_SIZE = 1024
+"""Ranks of one plan's group (``PlanRequest.cp_size``)."""
+MAX_FCP_RANKS = 16384
+"""Ranks N of every FCP entry point: ``fcp.plan_global_batch``, ``ScheduleRequest`` (and
+so ``schedule``), ``planner schedule`` and the service's /v1/schedule and global-batch
+jobs (where ``PLANNER_MAX_CP_SIZE`` may lower it); docs/settings.md."""
 MAX_TOKENS = 2**31 - 1
 """Total tokens of one request: local token indices are int32 in the runtime."""
 COMM_MODES = ("full", "compact_allgather", "alltoallv", "p2p_ring")

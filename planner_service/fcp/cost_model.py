@@ -383,6 +383,17 @@ def time_table(
     tokens = np.asarray(tokens, dtype=np.float64)[:, None]
     units = np.asarray(units, dtype=np.float64)[:, None]
     d = np.arange(num_ranks + 1, dtype=np.float64)[None, :]
+    total = times_at(tokens, units, d, memory_tokens, profile)
+    total[:, 0] = np.inf
+    return total
+
+
+def times_at(
+    tokens: np.ndarray, units: np.ndarray, d: np.ndarray, memory_tokens: int, profile: FcpProfile
+) -> np.ndarray:
+    """T(G, d) elementwise for broadcastable float64 ``tokens``, ``units`` and degrees
+    ``d`` >= 1 (``time_table``'s entries, bit for bit: the same operations on each
+    element); inf below the memory minimum."""
     with np.errstate(divide="ignore", invalid="ignore"):
         attn = profile.alpha1 * units / d
         compute = attn + profile.alpha2 * tokens / d + profile.beta1
@@ -392,6 +403,4 @@ def time_table(
         total = np.where(
             d > 1, compute + wire + profile.beta2 - hidden_ms(attn, wire, d, profile), compute
         )
-        total = np.where(tokens <= d * memory_tokens, total, np.inf)
-    total[:, 0] = np.inf
-    return total
+        return np.where(tokens <= d * memory_tokens, total, np.inf)

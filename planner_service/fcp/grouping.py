@@ -16,8 +16,16 @@ The candidates of ``search="portfolio"`` (the default) also include the grouping
 static power-of-two degree would use (``static_family``, and one group of all N ranks;
 stage 2 re-chooses their degrees too); which candidate a micro-batch runs is decided for
 the whole split (portfolio.py). ``search="paper"`` keeps only the BFD groupings. Every
-candidate is scored exactly by ``threshold_degrees``; the winner's degrees come from the
-paper's DP (``method="dp"``).
+candidate is scored exactly by stage 2 on the entries of its time table that count
+(``times.window_degrees``, the optimum ``dp.threshold_degrees`` finds on the whole table);
+with ``method="dp"`` the paper's DP (``dp.dp_degrees``, O(K N^2)) re-derives the winner's
+degrees as a check where K N^2 is within ``DP_CHECK_WORK``.
+
+Complexity per micro-batch of K sequences on N ranks: stage 1 is O(K log K) (sorts, BFD
+and LPT with heaps) plus one stage-2 pass for the pool's bin count; stage 2 per candidate
+grouping of G groups is O(G + N) to start plus the entries it reads (``times.py``: about
+O(G + N) on FCP's batches, at most O(G (N - sum d_min + 1))); the spare ranks O((G + N)
+log N).
 """
 
 from __future__ import annotations
@@ -31,13 +39,16 @@ import numpy as np
 from planner_service.core.errors import FieldError
 from planner_service.fcp.bfd import bfd_bins, bfd_headroom, merge_for_memory, pack_balanced
 from planner_service.fcp.cost_model import FcpProfile, time_table
-from planner_service.fcp.dp import Degrees, dp_degrees, fill_spare_ranks, threshold_degrees
+from planner_service.fcp.dp import Degrees, dp_degrees
 from planner_service.fcp.headroom import fill_time_headroom
 from planner_service.fcp.reference_schedules import static_groupings
 from planner_service.fcp.seq_stats import SeqStats, serial_cost
+from planner_service.fcp.times import Pool, Times, fill_spare, window_degrees
 
 SEARCHES = ("portfolio", "paper")
 METHODS = ("dp", "threshold")
+DP_CHECK_WORK = 1 << 26
+"""K N^2 up to which ``method="dp"`` re-derives the winner's degrees by the paper's DP."""
 
 
 class Grouping(NamedTuple):
@@ -61,11 +72,23 @@ def group_table(
     """The (K, N + 1) time table of the groups (sums of their sequences' tokens and units)."""
     if not groups:
         return np.zeros((0, num_ranks + 1))
+    times = group_times(stats, groups, num_ranks, memory_tokens, profile)
+    return time_table(times.tokens, times.units, num_ranks, memory_tokens, profile)
+
+
+def group_times(
+    stats: SeqStats, groups: Sequence[Sequence[int]], num_ranks: int, memory_tokens: int,
+    profile: FcpProfile, pool: Pool | None = None,
+) -> Times:
+    """The groups' times (``times.Times``: sums of their sequences' tokens and units),
+    with ``pool`` as a last row if given. O(sequences)."""
+    if not groups:
+        return Times(np.zeros(0), np.zeros(0), num_ranks, memory_tokens, profile, pool)
     flat = np.fromiter(chain.from_iterable(groups), dtype=np.int64)
     starts = np.cumsum([0] + [len(g) for g in groups[:-1]])
     tokens = np.add.reduceat(stats.tokens[flat], starts)
     units = np.add.reduceat(stats.units[flat], starts)
-    return time_table(tokens, units, num_ranks, memory_tokens, profile)
+    return Times(tokens, units, num_ranks, memory_tokens, profile, pool)
 
 
 def memory_error(total: int, num_ranks: int, memory_tokens: int, what: str,
@@ -94,18 +117,15 @@ def paper_groupings(
     fixed = bins + [[i] for i in leftovers if costs[i] > fair]
     pool = [i for i in leftovers if costs[i] <= fair]
     if not pool:
-        if threshold_degrees(group_table(stats, fixed, num_ranks, memory_tokens, profile)).degrees:
+        if window_degrees(group_times(stats, fixed, num_ranks, memory_tokens, profile)).degrees:
             return [("bfd", fixed)]
         return _merged(stats, fixed, num_ranks, memory_tokens)
     # The pool as one item: the LPT bound on r one-rank bins; inf below the token bound
     # (BFD by tokens stands in when the balanced packing does not fit, see pack_balanced).
-    pool_tokens = int(stats.tokens[pool].sum())
-    r = np.arange(num_ranks + 1, dtype=np.float64)
-    r_use = np.minimum(np.maximum(r, 1.0), len(pool))
-    bound = profile.beta1 + np.maximum(costs[pool].max(), costs[pool].sum() / r_use)
-    bound[r * memory_tokens < pool_tokens] = np.inf
-    table = np.vstack([group_table(stats, fixed, num_ranks, memory_tokens, profile), bound])
-    first = threshold_degrees(table)
+    pooled = Pool(float(costs[pool].max()), float(costs[pool].sum()), len(pool),
+                  int(stats.tokens[pool].sum()))
+    times = group_times(stats, fixed, num_ranks, memory_tokens, profile, pooled)
+    first = window_degrees(times)
     if first.degrees:
         out = []
         packed = pack_balanced(stats.tokens, costs, pool, first.degrees[-1], memory_tokens)
@@ -116,7 +136,8 @@ def paper_groupings(
         degrees = first.degrees[:-1]
         bins_count = num_ranks - sum(degrees)
         filled, rest = fill_time_headroom(
-            stats, fixed, degrees, [table[g, d] for g, d in enumerate(degrees)], pool,
+            stats, fixed, degrees, times.at(np.arange(len(degrees)), np.asarray(degrees)).tolist(),
+            pool,
             bins_count, memory_tokens, profile, costs,
         )
         if len(rest) < len(pool):
@@ -127,8 +148,8 @@ def paper_groupings(
         if out:
             return out
     pool_bins = bfd_bins(stats.tokens, memory_tokens, pool)
-    if threshold_degrees(
-        group_table(stats, fixed + pool_bins, num_ranks, memory_tokens, profile)
+    if window_degrees(
+        group_times(stats, fixed + pool_bins, num_ranks, memory_tokens, profile)
     ).degrees:
         return [(f"bfd+pool{len(pool_bins)}", fixed + pool_bins)]
     return _merged(stats, fixed + pool_bins, num_ranks, memory_tokens)
@@ -173,27 +194,28 @@ class Scored(NamedTuple):
     found: Degrees
     name: str
     groups: list[list[int]]
-    table: np.ndarray
+    times: Times
 
 
 def score(
     stats: SeqStats, candidates: list[tuple[str, list[list[int]]]], num_ranks: int,
     memory_tokens: int, profile: FcpProfile,
 ) -> list[Scored]:
-    """Stage 2 (threshold search) for each candidate; infeasible ones are dropped."""
+    """Stage 2 (``times.window_degrees``) for each candidate; infeasible ones are dropped."""
     if not candidates:
         return []
-    # One table for every candidate's groups, then an exact score per slice.
-    tables = group_table(stats, [g for _, groups in candidates for g in groups], num_ranks,
-                         memory_tokens, profile)
+    # Every candidate's groups summed at once, then an exact score per slice.
+    every = group_times(stats, [g for _, groups in candidates for g in groups], num_ranks,
+                        memory_tokens, profile)
     out = []
     at = 0
     for name, groups in candidates:
-        table = tables[at : at + len(groups)]
+        times = Times(every.tokens[at : at + len(groups)], every.units[at : at + len(groups)],
+                      num_ranks, memory_tokens, profile)
         at += len(groups)
-        found = threshold_degrees(table)
+        found = window_degrees(times)
         if found.degrees:
-            out.append(Scored(found, name, groups, table))
+            out.append(Scored(found, name, groups, times))
     return out
 
 
@@ -216,24 +238,26 @@ def redo_with_dp(
 ) -> Grouping:
     """The same grouping with degrees from the paper's DP (after a threshold screening)."""
     groups = [list(g) for g in grouping.groups]
-    table = group_table(stats, groups, num_ranks, memory_tokens, profile)
-    found = threshold_degrees(table)
-    return finish(Scored(found, grouping.candidate, groups, table), num_ranks, "dp")
+    times = group_times(stats, groups, num_ranks, memory_tokens, profile)
+    found = window_degrees(times)
+    return finish(Scored(found, grouping.candidate, groups, times), num_ranks, "dp")
 
 
 def finish(chosen: Scored, num_ranks: int, method: str) -> Grouping:
-    """The Grouping of a scored candidate: DP check (``method="dp"``), spare ranks, order."""
-    found, name, groups, table = chosen
-    if method == "dp":
-        exact = dp_degrees(table)
+    """The Grouping of a scored candidate: DP check (``method="dp"``, where K N^2 is within
+    ``DP_CHECK_WORK``), spare ranks, order."""
+    found, name, groups, times = chosen
+    if method == "dp" and times.k * num_ranks * num_ranks <= DP_CHECK_WORK:
+        exact = dp_degrees(times.dense())
         assert exact.makespan_ms == found.makespan_ms, "DP and threshold search disagree"
         assert exact.degrees == found.degrees, "DP and threshold search pick different degrees"
-    degrees = fill_spare_ranks(table, found.degrees, num_ranks)
+    degrees = fill_spare(times, found.degrees, num_ranks)
     order = sorted(range(len(groups)), key=lambda g: (-degrees[g], min(groups[g])))
+    final = times.at(np.arange(len(groups)), np.asarray(degrees, dtype=np.int64)).tolist()
     return Grouping(
         groups=tuple(tuple(sorted(groups[g])) for g in order),
         degrees=tuple(degrees[g] for g in order),
-        times_ms=tuple(float(table[g, degrees[g]]) for g in order),
+        times_ms=tuple(final[g] for g in order),
         makespan_ms=found.makespan_ms,
         candidate=name,
     )

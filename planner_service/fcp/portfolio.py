@@ -90,7 +90,7 @@ def static_total(
         for mb, scored in zip(split, static, strict=True):
             one_wave = [c for c in scored if static_degree(c.name, num_ranks) == degree]
             if one_wave:
-                total += float(one_wave[0].table[:, degree].max())
+                total += float(one_wave[0].times.column(degree).max())
             else:
                 found = static_schedule(stats, mb, num_ranks, memory_tokens, profile, degree)
                 assert found is not None, "the degree holds the longest sequence"

@@ -14,6 +14,13 @@ fewer others). ``search="paper"``: every count is solved, the least total wins.
 static-degree groupings and one group, only the best count is solved (latency;
 portfolio.choose_split), and the bound it keeps within is the static baseline's total on
 its own best count, as reference_comparison.py measures it.
+
+Complexity, K sequences on N ranks: per micro-batch count tried (at most
+``MAX_EXTRA_MICRO_BATCHES + 1``), the split O(K log K) (LPT with a heap), then per
+micro-batch stage 1 O(K log K) per candidate grouping and stage 2 O((G + N) log N) per
+candidate of G groups (``grouping.py``, ``times.py``); the paper's DP check O(G N^2) only
+where G N^2 is within ``grouping.DP_CHECK_WORK``. No dense (K, N) table is built above
+``times.DENSE_LIMIT`` entries.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner_service.core.request import MAX_FCP_RANKS, MAX_TOKENS, check_int
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, FcpProfile, get_profile
 from planner_service.fcp.grouping import (
     Grouping,
@@ -94,8 +102,12 @@ def plan_global_batch(
 
     ``micro_batches`` fixes the count; None picks it (module docstring). Raises
     ValueError saying how many ranks or how much memory is missing if a sequence exceeds
-    ``N * E`` or the fixed count cannot hold the batch, and for a bad search or method.
+    ``N * E`` or the fixed count cannot hold the batch, for a bad search or method, and
+    (FieldError) for ``num_ranks`` outside 1 .. ``MAX_FCP_RANKS`` or ``memory_tokens``
+    outside 1 .. ``MAX_TOKENS``.
     """
+    check_int(num_ranks, "num_ranks", 1, MAX_FCP_RANKS)
+    check_int(memory_tokens, "memory_tokens", 1, MAX_TOKENS)
     return plan_checked(
         check_sequences(sequences), num_ranks=num_ranks, memory_tokens=memory_tokens,
         profile=get_profile(profile), full_attention=full_attention, search=search,

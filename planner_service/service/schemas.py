@@ -22,6 +22,7 @@ from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import (
     COMM_MODES,
     MAX_CP_SIZE,
+    MAX_FCP_RANKS,
     MAX_TOKENS,
     PlanRequest,
     check_time_limit,
@@ -157,7 +158,7 @@ class ScheduleRequestIn(BaseModel):
          "memory_tokens": 16384}]})
     sequences: list[list[DocLength]] = Field(min_length=1, description="Doc lengths of each "
                                              "sequence")
-    num_ranks: StrictInt = Field(ge=1, le=MAX_CP_SIZE, description="Model replicas N")
+    num_ranks: StrictInt = Field(ge=1, le=MAX_FCP_RANKS, description="Model replicas N")
     memory_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS, description="Activation memory per "
                                      "rank, in tokens")
 

@@ -12,7 +12,7 @@ import os
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from planner_service.core.request import MAX_CP_SIZE, MAX_TOKENS
+from planner_service.core.request import MAX_FCP_RANKS, MAX_TOKENS
 
 
 def _default_workers() -> int:
@@ -44,8 +44,9 @@ class Settings(BaseSettings):
     in milliseconds; the ILP's default 10 s budget can take ~20 s of wall time."""
     max_docs: int = Field(65_536, ge=1, le=10_000_000)
     """Documents per request (per sequence for /v1/schedule)."""
-    max_cp_size: int = Field(1024, ge=1, le=MAX_CP_SIZE)
-    """Largest ``cp_size`` (``num_ranks`` for /v1/schedule)."""
+    max_cp_size: int = Field(1024, ge=1, le=MAX_FCP_RANKS)
+    """Largest ``cp_size`` (never above 1024) and ``num_ranks`` of /v1/schedule and the
+    global-batch jobs (never above FCP's rank limit, 16384)."""
     max_tokens: int = Field(16 * 2**20, ge=1, le=MAX_TOKENS)
     """Total tokens of one request."""
     max_sequences: int = Field(1024, ge=1, le=1_000_000)

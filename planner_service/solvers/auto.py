@@ -7,8 +7,12 @@ model, kernel and link profiles (core/step_time.py). The least ``est_step_ms`` w
 going to the earlier candidate (CANDIDATES order, then MODES order). ``p2p_ring`` is a
 candidate mode where the runtime runs it as a ring (``step_time.RING_PATHS``: the PyTorch
 kernel's ring, flash-attn's segment ring on its default flash path), unless the ring is too
-large to model (``masked_work.MAX_RING_PAIRS``; recorded under ``skipped``). The plan's
-info records the choice and every candidate's prediction. Cost: one solve and one metrics
+large to model (``masked_work.MAX_RING_PAIRS``; recorded under ``skipped``). A
+``compact_allgather`` candidate whose saving is 0 (its largest buffer is a whole rank's
+tokens, so every rank sends as much as under ``full``: docs/strategies.md) is not a
+choice unless the request names that mode: its prediction is listed with
+``"saves_nothing": true``. The plan's info records the choice and every candidate's
+prediction. Cost: one solve and one metrics
 pass (O(shards + tiles); a ring: O(s log s + t log t) for t (shard, other holder of its
 doc) pairs) per (strategy, mode).
 
@@ -27,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from planner_service.core.build import Layout, build_plan
+from planner_service.core.plan import Metrics
 from planner_service.core.profiles import get_kernel_profile
 from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import RING_PATHS, execution_path, held_kv_mode
@@ -46,6 +51,13 @@ def candidate_modes(request: PlanRequest) -> tuple[str, ...]:
         return (request.comm_mode,)
     ring = execution_path(get_kernel_profile(request.kernel), "p2p_ring") in RING_PATHS
     return (*MODES, "p2p_ring") if ring else MODES
+
+
+def saves_nothing(metrics: Metrics) -> bool:
+    """A compact all-gather plan whose exchange moves as much as the full one (its
+    largest buffer is a whole rank's tokens), where the full one moves anything."""
+    return (metrics.comm_mode == "compact_allgather" and metrics.full_comm_tokens > 0
+            and metrics.compact_allgather_tokens >= metrics.full_comm_tokens)
 
 
 def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
@@ -87,7 +99,11 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
             if bound is not None and plan_peak(plan) > bound:
                 least = plan_peak(plan) if least is None else min(least, plan_peak(plan))
                 continue
-            predictions.append({"strategy": name, "comm_mode": mode, "est_step_ms": metrics.est_step_ms})
+            prediction = {"strategy": name, "comm_mode": mode, "est_step_ms": metrics.est_step_ms}
+            if saves_nothing(metrics) and not request.comm_mode:
+                predictions.append({**prediction, "saves_nothing": True})
+                continue
+            predictions.append(prediction)
             if best is None or metrics.est_step_ms < best[0]:
                 best = (metrics.est_step_ms, name, mode, layout)
     if best is None:

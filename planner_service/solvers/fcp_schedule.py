@@ -19,7 +19,7 @@ from planner_service.core.plan import Plan
 from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import (
     DEFAULT_IMBALANCE_TARGET,
-    MAX_CP_SIZE,
+    MAX_FCP_RANKS,
     MAX_TOKENS,
     check_imbalance_target,
     check_int,
@@ -36,6 +36,7 @@ from planner_service.fcp.requests import (
     check_sequences,
 )
 from planner_service.fcp.schedule import plan_checked
+from planner_service.solvers.balance import declared
 from planner_service.solvers.fcp_strategy import Intra, group_layouts
 from planner_service.solvers.registry import get_strategy
 
@@ -50,7 +51,7 @@ class ScheduleRequest:
     sequences: tuple[tuple[int, ...], ...]
     """Doc lengths of each sequence (an int for a one-doc, unpacked sample)."""
     num_ranks: int
-    """N: model replicas (one CP rank each), 1 to 1024."""
+    """N: model replicas (one CP rank each), 1 to ``MAX_FCP_RANKS`` (16,384)."""
     memory_tokens: int
     """E: activation memory per rank, in tokens; a group of degree d holds d * E tokens."""
     strategy: str = "flashcp"
@@ -77,7 +78,7 @@ class ScheduleRequest:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sequences", check_sequences(self.sequences))
-        check_int(self.num_ranks, "num_ranks", 1, MAX_CP_SIZE)
+        check_int(self.num_ranks, "num_ranks", 1, MAX_FCP_RANKS)
         check_int(self.memory_tokens, "memory_tokens", 1, MAX_TOKENS)
         if not isinstance(self.strategy, str) or self.strategy == "fcp":
             raise FieldError("strategy", f"strategy must be an intra-group strategy name "
@@ -131,7 +132,7 @@ def micro_batch_plan(
     ``groups`` index into them. The plan's doc_lengths are all their docs in that order;
     ``info["sequences"]`` records ``[first_doc, num_docs]`` of each.
     """
-    layouts = group_layouts(
+    plans = group_layouts(
         sequences, groups, starts, degrees, intra=intra, model=model, kernel=kernel,
         link=link, imbalance_target=imbalance_target,
     )
@@ -141,7 +142,8 @@ def micro_batch_plan(
         spans.append([first_doc, len(seq)])
         first_doc += len(seq)
     plan = build_plan(
-        Layout(groups=layouts, info={**info, "sequences": spans}),
+        Layout(groups=plans.layouts,
+               info=declared({**info, "sequences": spans}, plans.missed, imbalance_target)),
         strategy="fcp",
         cp_size=num_ranks,
         doc_lengths=[length for seq in sequences for length in seq],

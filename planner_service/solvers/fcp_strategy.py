@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.errors import FieldError
@@ -47,14 +47,13 @@ from planner_service.fcp.cost_model import DEFAULT_PROFILE, get_profile
 from planner_service.fcp.grouping import check_options, group_table, memory_error
 from planner_service.fcp.placement import place_groups
 from planner_service.fcp.schedule import plan_global_batch, sequence_stats
+from planner_service.solvers.balance import declared, missed
+from planner_service.solvers.group_plans import solve_groups
 from planner_service.solvers.kv_bound import (
-    FIXED,
     Candidate,
     KvBoundError,
     first_within,
     kv_floor,
-    layout_peak,
-    listed,
 )
 
 OPTIONS = {
@@ -126,13 +125,13 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
     def _layout(groups: Sequence[Sequence[int]], degrees: Sequence[int], makespan_ms: float,
                 candidate: str, memory_tokens: int) -> Layout:
         starts = place_groups(degrees, n, profile.ranks_per_node)
-        layouts = group_layouts(
+        plans = group_layouts(
             sequences, groups, starts, degrees, intra=strategy,
             model=request.model, kernel=request.kernel, link=request.link,
             imbalance_target=request.imbalance_target,
             max_kv_tokens_per_rank=request.max_kv_tokens_per_rank, comm_mode=mode,
         )
-        return Layout(groups=layouts, info={
+        return Layout(groups=plans.layouts, info=declared({
             "fcp_degrees": list(degrees),
             "fcp_group_docs": [list(g) for g in groups],
             "fcp_est_makespan_ms": makespan_ms,
@@ -140,7 +139,7 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
             "fcp_profile": profile.name,
             "intra_strategy": intra,
             "memory_tokens": memory_tokens,
-        })
+        }, plans.missed, request.imbalance_target))
 
     def one_group() -> Layout:
         every = list(range(len(sequences)))
@@ -160,6 +159,16 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
                         num_ranks=n, how=HOW).layout
 
 
+class GroupPlans(NamedTuple):
+    """The groups' layouts and what their intra plans declare."""
+
+    layouts: list[GroupLayout]
+    """In plan doc indices and global ranks, in rank order."""
+    missed: list[float]
+    """The imbalance of every group whose intra plan declares it missed R
+    (``balance.missed``), in group order."""
+
+
 def group_layouts(
     sequences: Sequence[Sequence[int]],
     groups: Sequence[Sequence[int]],
@@ -173,9 +182,10 @@ def group_layouts(
     imbalance_target: float,
     max_kv_tokens_per_rank: int | None = None,
     comm_mode: str | None = None,
-) -> list[GroupLayout]:
+    workers: int | None = None,
+) -> GroupPlans:
     """Each group's shards from the ``intra`` strategy's solver, in plan doc indices and
-    global ranks.
+    global ranks, and the imbalances of the groups that declare R missed.
 
     Plan doc indices number all docs of ``sequences`` in order; ``groups`` index into
     ``sequences``. Returned in rank order.
@@ -187,15 +197,17 @@ def group_layouts(
     solved; if any refuses, raises ``KvBoundError`` naming the largest figure among the
     refusals: the least bound every group meets, the groups that met this bound meeting
     any larger one (their strategies meet every bound from their own figure on).
+
+    The groups are solved by ``group_plans.solve_groups``, on ``workers`` processes (None:
+    as many as pay off); the result does not depend on it.
     """
     bound = max_kv_tokens_per_rank
     first_doc = [0]
     for seq in sequences:
         first_doc.append(first_doc[-1] + len(seq))
-    layouts = []
-    refused: list[KvBoundError] = []
-    for members, start, degree in zip(groups, starts, degrees, strict=True):
-        global_doc = [first_doc[s] + t for s in members for t in range(len(sequences[s]))]
+    requests, global_docs = [], []
+    for members, degree in zip(groups, degrees, strict=True):
+        global_docs.append([first_doc[s] + t for s in members for t in range(len(sequences[s]))])
         request = PlanRequest(
             doc_lengths=tuple(length for s in members for length in sequences[s]),
             cp_size=degree, strategy=intra.name, model=model, kernel=kernel, link=link,
@@ -203,19 +215,18 @@ def group_layouts(
         )
         if bound is not None:
             request = replace(request, max_kv_tokens_per_rank=bound, comm_mode=comm_mode)
-        try:
-            solved = intra.solver(request.doc_lengths, request)
-            if bound is not None:
-                solved = listed(solved)
-                assert comm_mode is not None, "a KV bound is measured in the plan's exchange"
-                peak = layout_peak(solved, held_kv_mode(kernel, comm_mode))
-                if peak > bound:
-                    raise KvBoundError(bound, peak, FIXED,
-                                       kv_floor(request.doc_lengths, degree,
-                                                held_kv_mode(kernel, comm_mode)))
-        except KvBoundError as exc:
-            refused.append(exc)
+        requests.append(request)
+    layouts = []
+    reached: list[float] = []
+    refused: list[KvBoundError] = []
+    for solved, global_doc, start in zip(solve_groups(intra.solver, requests, comm_mode, workers),
+                                         global_docs, starts, strict=True):
+        if isinstance(solved, KvBoundError):
+            refused.append(solved)
             continue
+        group_reached = missed(solved.info)
+        if group_reached is not None:
+            reached.append(group_reached)
         for sub in solved.groups:
             layouts.append(GroupLayout(
                 ranks=tuple(start + r for r in sub.ranks),
@@ -230,4 +241,4 @@ def group_layouts(
                            kv_floor([x for seq in sequences for x in seq], sum(degrees),
                                     held_kv_mode(kernel, comm_mode)))
     layouts.sort(key=lambda g: g.ranks[0])
-    return layouts
+    return GroupPlans(layouts, reached)

@@ -18,7 +18,8 @@ so only the first is tried; its peak is then the minimum over one-group plans.
 
 The candidates do not depend on the bound: flashcp meets a bound exactly when it is at
 least the least peak of the list, the figure its ``KvBoundError`` names. Chosen: the plan's
-``info.kv_candidate`` (and ``info.imbalance_target`` the R that candidate ran at). Cost:
+``info.kv_candidate`` (and ``info.imbalance_target`` the R that candidate ran at); a
+candidate over the request's R says so (``balance.declared``). Cost:
 up to ``2 + len(LOOSER_TARGETS)`` flashcp solves and one ``memory_first`` pass, each
 measured in O(s) (s shards); only the first runs when it meets the bound.
 """
@@ -29,8 +30,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from planner_service.core.build import GroupLayout, Layout
+from planner_service.core.cost import imbalance, rank_workloads
 from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import held_kv_mode
+from planner_service.solvers.balance import declared
 from planner_service.solvers.flashcp import flashcp_layout
 from planner_service.solvers.kv_bound import Candidate, first_within
 from planner_service.solvers.memory_first import memory_first_shards
@@ -68,7 +71,10 @@ def bounded_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> 
     bound = request.max_kv_tokens_per_rank
     if bound is None:
         return flashcp_layout(doc_lengths, request)
-    return first_within(flashcp_candidates(doc_lengths, request), bound=bound,
-                        comm_mode=held_kv_mode(request.kernel, request.comm_mode or "alltoallv"),
-                        doc_lengths=doc_lengths,
-                        num_ranks=request.cp_size).layout
+    layout = first_within(flashcp_candidates(doc_lengths, request), bound=bound,
+                          comm_mode=held_kv_mode(request.kernel, request.comm_mode or "alltoallv"),
+                          doc_lengths=doc_lengths,
+                          num_ranks=request.cp_size).layout
+    # A looser candidate (or memory_first) is measured against the request's R: O(s).
+    worst = (imbalance(rank_workloads([list(r) for r in g.shards])) for g in layout.groups)
+    return Layout(layout.groups, declared(layout.info, worst, request.imbalance_target))

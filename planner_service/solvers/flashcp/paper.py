@@ -30,6 +30,7 @@ from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.cost import doc_workload, imbalance
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
+from planner_service.solvers.balance import declared
 from planner_service.solvers.flashcp.ranks import Ranks, new_shard
 
 MAX_PER_DOC = 64
@@ -192,9 +193,11 @@ def algorithm1(
 
 
 def paper_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
-    """Strategy ``flashcp_paper``: Algorithm 1's layout at the request's R."""
-    _, ranks, per_doc = algorithm1(doc_lengths, request.cp_size, request.imbalance_target)
+    """Strategy ``flashcp_paper``: Algorithm 1's layout at the request's R; the info
+    declares a missed R (``balance.declared``)."""
+    imb, ranks, per_doc = algorithm1(doc_lengths, request.cp_size, request.imbalance_target)
     return Layout(
         groups=[GroupLayout(tuple(range(request.cp_size)), ranks.shards)],
-        info={"per_doc_docs": per_doc, "imbalance_target": request.imbalance_target},
+        info=declared({"per_doc_docs": per_doc, "imbalance_target": request.imbalance_target},
+                      (imb,), request.imbalance_target),
     )
