@@ -15,8 +15,9 @@ from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
 
 
 def build_request(payload: dict[str, Any]) -> ScheduleRequest:
-    """The ScheduleRequest of a JSON body; raises FieldError naming a bad or unknown field."""
-    data = dict(payload)
+    """The ScheduleRequest of a JSON body; raises FieldError naming a bad or unknown field.
+    A field set to null takes its default (ScheduleRequestIn's unset fields dump as None)."""
+    data = {name: value for name, value in payload.items() if value is not None}
     known = ScheduleRequest.__dataclass_fields__
     unknown = sorted(set(data) - set(known))
     if unknown:
