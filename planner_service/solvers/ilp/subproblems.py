@@ -146,7 +146,8 @@ class Subproblems:
         blocks, n = self.blocks, self.n
         ranks, spent, det = descend(blocks, state.ranks, n, token_cap=self.tokens_cap,
                                     work_cap=self.work_cap, budget=until - state.spent,
-                                    step_limit=step_limit, solve=solve)
+                                    step_limit=step_limit, solve=solve,
+                                    deadline=cp.deadline)
         ranks = canonical_ranks(blocks, ranks, n)
         value = max(placement_values(blocks, ranks, n)[2])
         state = state._replace(spent=state.spent + spent,

@@ -17,14 +17,19 @@ from fractions import Fraction
 class Tuning:
     """The ILP search's budget split and guards (``TUNING`` is the one the strategy uses)."""
 
-    wall_guard: float = 3.0
-    """Wall-clock guard factor: a CP-SAT call (and the whole solve) of ``x`` deterministic
-    seconds stops after ``wall_guard * x + wall_guard_base_s`` wall seconds, so that an
-    overloaded machine cannot hold a request past its deadline. Normal runs stay well
-    inside it (CP-SAT's interleaved search overshoots its deterministic limit in wall time
-    by a small factor); a plan cut short by it says ``"deterministic": false``."""
-    wall_guard_base_s: float = 2.0
-    """The guard's fixed allowance in wall seconds (model copying and presolve)."""
+    dtime_per_s: float = 0.03
+    """Deterministic seconds of search per second of ``time_limit_s``: the search's whole
+    budget is ``dtime_per_s * time_limit_s`` deterministic seconds, the same on every
+    machine, so the same request gives the same plan. CP-SAT does 0.07 (a 2-core host at
+    load 7) to 0.25 (the same host quiet) deterministic seconds per wall second with this
+    model (many calls of a few milliseconds, presolve included), and the search adds about
+    a second of Python for a small request, so the budget is spent within the limit on a
+    busy host too (``python -m bench.ilp_repro``, bench/results/ilp_repro.md)."""
+    wall_margin_s: float = 0.25
+    """The wall-clock deadline of the search is ``time_limit_s`` minus this (at most a
+    quarter of the limit) after it starts: the rest is for building the plan, so the whole
+    solve ends within ``time_limit_s`` plus the plan's build. A CP-SAT call still running
+    at the deadline is stopped, and the plan says ``"deterministic": false``."""
     group_share: float = 0.4
     """Where the longest doc does not fit on a rank: the rank-group steps from the hint
     run until this share of the limit is spent, to give the bound a good incumbent."""
