@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from planner_service.proto_build import load
 from planner_service.service.cost_gate import FAST, SLOW, plan_bytes_bound, request_cost
@@ -258,3 +260,48 @@ def test_readyz_and_metrics_report_the_lanes(http):
                                        "strategy": "ring"}).status_code == 200
     assert 'planner_solve_seconds_count{outcome="ok",strategy="ring"}' in \
         http.get("/metrics").text
+
+
+# ---- fuzz: the global-batch routes over gRPC -------------------------------------------
+
+FIELDS = ("sequences", "num_ranks", "memory_tokens", "strategy", "profile", "full_attention",
+          "search", "method", "micro_batches", "build_plans", "model", "kernel", "link",
+          "imbalance_target", "zz")
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=4),
+    max_leaves=12)
+
+
+@given(extra=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=4))
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_grpc_global_batch_fuzz_finds_no_internal_error(grpc_stubs, extra):
+    stubs, planner, batches = grpc_stubs
+    raw = json.dumps({**SCHEDULE, **extra})  # NaN and Infinity written as JSON extensions
+    for call in (lambda: batches.SubmitGlobalBatch(stubs.pb2.SubmitGlobalBatchRequest(
+                     job="fuzz", batch=f"b{abs(hash(raw)) % 10**9}", request_json=raw),
+                     timeout=60),
+                 lambda: planner.Schedule(stubs.pb2.ScheduleRequest(request_json=raw),
+                                          timeout=60)):
+        try:
+            call()
+        except grpc.RpcError as exc:
+            assert exc.code() in OK_CODES, (exc.code(), exc.details(), raw[:300])
+            assert len(exc.details() or "") <= MAX_ERROR_BYTES
+
+
+OK_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS,
+            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED)
+
+
+@pytest.fixture(scope="module")
+def grpc_stubs():
+    stubs = load()
+    with grpc_in_thread(load_settings(**SETTINGS)) as (url, _):
+        channel = grpc.insecure_channel(url.removeprefix("grpc://"))
+        yield (stubs, stubs.pb2_grpc.PlannerStub(channel),
+               stubs.pb2_grpc.GlobalBatchesStub(channel))
+        channel.close()

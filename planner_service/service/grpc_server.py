@@ -87,12 +87,18 @@ def peer_host(context: grpc.aio.ServicerContext) -> str:
     return peer_address(context.peer() or "")
 
 
+def metadata_value(text: str, limit: int = 128) -> str:
+    """``text`` as a legal gRPC metadata value: printable ASCII (others as ``?``), cut to
+    ``limit`` characters (a field name may quote a key of the caller's JSON)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text[:limit])
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     """The gRPC status for a service exception (mirrors the HTTP handlers)."""
     if isinstance(exc, ValidationError):
         exc = validation_message(exc)
     if isinstance(exc, FieldError):
-        return Code.INVALID_ARGUMENT, str(exc), (("field", exc.field),)
+        return Code.INVALID_ARGUMENT, str(exc), (("field", metadata_value(exc.field)),)
     if isinstance(exc, Overloaded):
         return Code.RESOURCE_EXHAUSTED, str(exc), (
             ("retry-after", str(exc.retry_after_s)),
