@@ -1,6 +1,6 @@
 """Is the ILP reproducible on a busy machine, and does it end within its time limit?
 
-    python -m bench.ilp_repro                       # 10 requests x 10 solves, limit 2 s
+    python -m bench.ilp_repro                       # 10 requests x 10 solves, limit 10 s
     python -m bench.ilp_repro --requests 3 --solves 4 --limit 1
 
 Each of ``--requests`` small requests (4 to 12 docs of a code-like length mix, 7K to 32K
@@ -8,7 +8,8 @@ tokens, N = 4 or 8, seeded) is solved ``--solves`` times in a fresh solver proce
 time (no cache, as on a restarted replica); the second half of the solves run with two CPU
 hogs (busy processes) beside them. Per request: the distinct plan_ids (1 is the target),
 how many solves the wall-clock deadline cut (``deterministic: false``), and the largest
-wall time over the limit. Prints a Markdown table (bench/results/ilp_repro.md).
+wall time over the limit. Prints a Markdown table and writes it to ``--out``
+(bench/results/ilp_repro.md).
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import platform
 import random
+import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from planner_service.core.request import PlanRequest
@@ -61,16 +65,17 @@ def solve_once(request: PlanRequest) -> Outcome:
                    str(plan.info["status"]))
 
 
-def hog(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
+def hog(stop: multiprocessing.synchronize.Event, parent: int) -> None:  # type: ignore[name-defined]
+    """Spin until told to stop or the benchmark is gone."""
     x = 0
-    while not stop.is_set():
+    while not stop.is_set() and os.getppid() == parent:
         for _ in range(100_000):
             x = (x * 31 + 7) % 1_000_003
 
 
 def run(request: PlanRequest, busy: bool, ctx: multiprocessing.context.BaseContext) -> Outcome:
     stop = ctx.Event()
-    hogs = [ctx.Process(target=hog, args=(stop,), daemon=True) for _ in range(2 if busy else 0)]
+    hogs = [ctx.Process(target=hog, args=(stop, os.getpid()), daemon=True) for _ in range(2 if busy else 0)]
     for p in hogs:
         p.start()
     try:
@@ -86,15 +91,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--solves", type=int, default=10, help="per request; half with hogs")
-    parser.add_argument("--limit", type=float, default=2.0, help="options.time_limit_s")
+    parser.add_argument("--limit", type=float, default=10.0, help="options.time_limit_s")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/ilp_repro.md"))
     args = parser.parse_args()
     ctx = multiprocessing.get_context("spawn")
-    print(f"{os.cpu_count()} CPUs, load average at start "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; time_limit_s {args.limit:g}, "
-          f"{args.solves} solves per request (the last {args.solves // 2} with 2 CPU hogs)\n")
-    print("| request | docs | tokens | N | plan_ids | cut by deadline | statuses | "
-          "max wall - limit s |")
-    print("|---|---|---|---|---|---|---|---|")
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    emit("# ILP reproducibility and wall time under load")
+    emit("")
+    emit(f"Command: `python -m bench.ilp_repro {' '.join(sys.argv[1:])}`".rstrip())
+    emit("")
+    emit(f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python "
+         f"{platform.python_version()}; load average at start "
+         f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} (other jobs share these cores). "
+         f"time_limit_s {args.limit:g}, workers 2 (the default); {args.solves} solves per "
+         f"request, each in a fresh process, the last {args.solves // 2} with 2 CPU hogs "
+         "beside them.")
+    emit("")
+    emit("| request | docs | tokens | N | plan_ids | cut by deadline | statuses | "
+         "max wall - limit s |")
+    emit("|---|---|---|---|---|---|---|---|")
     total_ids = 0
     worst = -1e9
     for i, request in enumerate(requests(args.requests, args.limit), 1):
@@ -105,12 +125,16 @@ def main() -> None:
         over = max(o.wall_s for o in outcomes) - args.limit
         worst = max(worst, over)
         statuses = ",".join(sorted({o.status for o in outcomes}))
-        print(f"| {i} | {len(request.doc_lengths)} | {sum(request.doc_lengths)} | "
-              f"{request.cp_size} | {len(ids)} | {sum(not o.deterministic for o in outcomes)} | "
-              f"{statuses} | {over:+.2f} |", flush=True)
-    print(f"\n{total_ids} distinct plan_ids over {args.requests} requests (target "
-          f"{args.requests}); largest wall time over the limit {worst:+.2f} s; load average "
-          f"at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        emit(f"| {i} | {len(request.doc_lengths)} | {sum(request.doc_lengths)} | "
+             f"{request.cp_size} | {len(ids)} | {sum(not o.deterministic for o in outcomes)} | "
+             f"{statuses} | {over:+.2f} |")
+    emit("")
+    emit(f"{total_ids} distinct plan_ids over {args.requests} requests (target "
+         f"{args.requests}); largest wall time over the limit {worst:+.2f} s (wall time of "
+         "the solve call in its process, the plan's build included); load average at end "
+         f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}.")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ O(documents) time, before the executor admits it:
   whose bound is above PLANNER_MAX_PLAN_BYTES is refused (422, ``cp_size``) instead of
   solved. The other strategies make few shards per doc (whole docs, and cuts only of
   the docs no rank can hold); their plans are checked against the same limit after the
-  solve (executor.solve_in_worker), which the work bound PLANNER_MAX_SHARDS keeps short.
+  solve (worker_tasks.solve_in_worker), which the work bound PLANNER_MAX_SHARDS keeps short.
 """
 
 from __future__ import annotations

@@ -86,6 +86,7 @@ def run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, cp: Cp) 
     # a v fastest (and interleaving every subsolver with a hint trips a CP-SAT check).
     solver, status, dtime, deterministic = solve_model(
         bm.model, limit_s, cp if target is not None else cp._replace(workers=1))
+    dtime += build_charge(bm.x, cp.tuning)
     if status not in ("OPTIMAL", "FEASIBLE"):
         bound = int(math.ceil(solver.BestObjectiveBound())) if status == "UNKNOWN" else 0
         return Solve(status, None, 0, max(bound, 0), dtime, deterministic)
@@ -95,6 +96,12 @@ def run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, cp: Cp) 
     value = int(round(solver.ObjectiveValue()))
     bound = int(math.ceil(solver.BestObjectiveBound() - 1e-6))
     return Solve(status, ranks, value, min(bound, value), dtime, deterministic)
+
+
+def build_charge(rows: Sequence[Sequence[object]], tuning: Tuning) -> float:
+    """The deterministic seconds charged for building a model of these placement rows
+    (``Tuning.build_charge``)."""
+    return tuning.build_charge * sum(len(row) for row in rows)
 
 
 def chosen(solver: cp_model.CpSolver, rows: Sequence[Sequence[cp_model.IntVar]]) -> list[int]:

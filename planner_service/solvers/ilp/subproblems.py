@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from planner_service.core.cost import doc_workload
 from planner_service.solvers.ilp.blocks import Blocks
-from planner_service.solvers.ilp.cpsat import Cp, Solve, chosen, solve_model
+from planner_service.solvers.ilp.cpsat import Cp, Solve, build_charge, chosen, solve_model
 from planner_service.solvers.ilp.ends import ends_bound
 from planner_service.solvers.ilp.fill import fill_model, fill_ranks, option_count
 from planner_service.solvers.ilp.lns import GroupModel, Step, descend
@@ -135,6 +135,7 @@ class Subproblems:
 
         def solve(gm: GroupModel, limit_s: float) -> Step:
             solver, status, dtime, det = solve_model(gm.model, limit_s, cp)
+            dtime += build_charge(gm.x, cp.tuning)
             if status not in ("OPTIMAL", "FEASIBLE"):
                 return Step(None, dtime, det, status == "INFEASIBLE")
             return Step([gm.group[j] for j in chosen(solver, gm.x)], dtime, det,

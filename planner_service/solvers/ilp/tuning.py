@@ -1,8 +1,8 @@
-"""How the ILP's comm search divides its time limit, and its wall-clock guard.
+"""How the ILP's comm search divides its budget, and its wall-clock deadline.
 
-Every share is a fraction of the request's deterministic time limit (``time_limit_s``),
-so the same request runs the same steps for the same deterministic time and gives the
-same plan. The steps themselves are described in :mod:`.search`; how well a choice of
+Every share is a fraction of the request's deterministic budget (``dtime_per_s`` x
+``time_limit_s``), so the same request runs the same steps for the same deterministic
+time and gives the same plan. The steps themselves are described in :mod:`.search`; how well a choice of
 shares closes the gap is measured by ``python -m bench.ilp_compare`` (results in
 ``bench/results/``).
 """
@@ -17,14 +17,20 @@ from fractions import Fraction
 class Tuning:
     """The ILP search's budget split and guards (``TUNING`` is the one the strategy uses)."""
 
-    dtime_per_s: float = 0.03
+    dtime_per_s: float = 0.04
     """Deterministic seconds of search per second of ``time_limit_s``: the search's whole
-    budget is ``dtime_per_s * time_limit_s`` deterministic seconds, the same on every
-    machine, so the same request gives the same plan. CP-SAT does 0.07 (a 2-core host at
-    load 7) to 0.25 (the same host quiet) deterministic seconds per wall second with this
-    model (many calls of a few milliseconds, presolve included), and the search adds about
-    a second of Python for a small request, so the budget is spent within the limit on a
-    busy host too (``python -m bench.ilp_repro``, bench/results/ilp_repro.md)."""
+    budget is ``dtime_per_s * time_limit_s`` deterministic seconds (CP-SAT's, plus
+    ``build_charge``), the same on every machine, so the same request gives the same
+    plan. CP-SAT does 0.07 (a 2-core host at load 7) to 0.25 (the same host quiet)
+    deterministic seconds per wall second with this model, so a small request spends its
+    budget in a third to a half of the limit on that loaded host
+    (``python -m bench.ilp_repro``, bench/results/ilp_repro.md)."""
+    build_charge: float = 5e-5
+    """Deterministic seconds charged per placement boolean of every model the search
+    builds and solves (the full model, a rank group's): the Python time of building it,
+    which CP-SAT's deterministic time does not count, so the budget bounds the whole
+    search and its steps, not only CP-SAT's (about 25 ms per 100 booleans at 0.25
+    deterministic seconds per wall second)."""
     wall_margin_s: float = 0.25
     """The wall-clock deadline of the search is ``time_limit_s`` minus this (at most a
     quarter of the limit) after it starts: the rest is for building the plan, so the whole
