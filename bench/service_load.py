@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     command = f"python -m bench.service_load {' '.join(sys.argv[1:])}".rstrip()
     if args.only_slow_lane:
-        part = section(run_slow_lane(args.slow_duration), command)
+        part = section([run_slow_lane(args.slow_duration, fast_workers=k) for k in (1, 0)],
+                       command)
         old = args.out.read_text() if args.out.exists() else ""
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(splice(old, part))
@@ -337,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{kill.waits_ms.max():.3f} ms", flush=True)
     text = report(args, loads, loops, kill, kill_steps, load_avg)
     if not args.no_slow_lane:
-        text = splice(text, section(run_slow_lane(args.slow_duration), command))
+        text = splice(text, section([run_slow_lane(args.slow_duration, fast_workers=k)
+                                     for k in (1, 0)], command))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

@@ -28,6 +28,7 @@ SECTION = "## Cheap plans beside a full slow lane"
 
 
 class SlowLaneResult(NamedTuple):
+    fast_workers: int
     cheap_ms: np.ndarray
     cheap_errors: dict[str, int]
     slow_answers: dict[str, dict[str, int]]
@@ -121,44 +122,55 @@ async def _scenario(server: ServerProcess, in_flight: int, duration_s: float, ra
     return latencies, errors, answers
 
 
-def run_slow_lane(duration_s: float = 40.0, rate: float = 10.0) -> SlowLaneResult:
-    """Start the server, run the scenario, stop it."""
+def run_slow_lane(duration_s: float = 40.0, rate: float = 10.0, fast_workers: int = 1
+                  ) -> SlowLaneResult:
+    """Start the server (``fast_workers`` reserved fast-lane processes), run the
+    scenario, stop it."""
     load_avg = os.getloadavg()
     slow_queue, max_limit = 4, 30.0
     in_flight = 1 + slow_queue  # the slow lane's worker plus its queue
     env = {"PLANNER_CACHE_SIZE": "0", "PLANNER_SLOW_QUEUE_SIZE": str(slow_queue),
            "PLANNER_MAX_SLOW_PER_CLIENT": str(in_flight), "PLANNER_REQUEST_TIMEOUT_S": "120",
-           "PLANNER_MAX_TIME_LIMIT_S": str(max_limit)}
+           "PLANNER_MAX_TIME_LIMIT_S": str(max_limit), "PLANNER_FAST_WORKERS": str(fast_workers)}
     with ServerProcess(workers=1, env=env) as server:
         started = time.perf_counter()
         lat, errors, answers = asyncio.run(_scenario(server, in_flight, duration_s, rate,
                                                      max_limit))
         seconds = time.perf_counter() - started
-    return SlowLaneResult(np.asarray(lat), errors, answers, in_flight, seconds, load_avg)
+    return SlowLaneResult(fast_workers, np.asarray(lat), errors, answers, in_flight, seconds,
+                          load_avg)
 
 
-def section(r: SlowLaneResult, command: str) -> str:
-    """The Markdown section of part 4."""
-    lat = r.cheap_ms
-
-    def pct(q: float) -> str:
-        return f"{np.percentile(lat, q):.1f}" if len(lat) else "-"
-
-    slow = "; ".join(f"{kind}: {dict(sorted(s.items()))}" for kind, s in r.slow_answers.items())
-    return "\n".join([
+def section(results: list[SlowLaneResult], command: str) -> str:
+    """The Markdown section of part 4: one row per server configuration."""
+    first = results[0]
+    lines = [
         SECTION, "",
-        f"Command: `{command}`. Load average before this part "
-        f"{', '.join(f'{x:.2f}' for x in r.load_avg)} on {os.cpu_count()} CPUs (other jobs "
-        "share these cores). Server: 1 solver process + 1 reserved for the fast lane, cache "
-        f"off; {r.slow_in_flight} slow requests in flight throughout (the slow lane's worker "
-        "and queue: ILP at time_limit_s 30, FCP schedules of 1,024 sequences, auto on 2M "
-        "tokens at N = 1,024, resubmitted as soon as answered) while small flashcp plans "
-        "(32K tokens, N = 8) are asked for at 10/s.", "",
-        "| cheap plans | p50 ms | p90 ms | p99 ms | max ms | errors |",
-        "|---:|---:|---:|---:|---:|---|",
-        f"| {len(lat)} | {pct(50)} | {pct(90)} | {pct(99)} | {pct(100)} | "
-        f"{r.cheap_errors or 0} |", "",
-        f"Slow answers by status over {r.seconds:.0f} s: {slow}.", ""])
+        f"Command: `{command}`. {os.cpu_count()} CPUs shared with other jobs. Server: 1 "
+        "solver process plus PLANNER_FAST_WORKERS reserved for the fast lane (0: no "
+        f"reservation, every solve first come first served), cache off; {first.slow_in_flight} "
+        "slow requests in flight throughout (the slow lane's worker and queue: ILP at "
+        "time_limit_s 30, FCP schedules of 1,024 sequences, auto on 2M tokens at N = 1,024, "
+        "each resubmitted as soon as answered) while small flashcp plans (32K tokens, N = 8) "
+        "are asked for at 10/s.", "",
+        "| fast workers | load average before | cheap plans | p50 ms | p90 ms | p99 ms | "
+        "max ms | errors | slow answers by status |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in results:
+        lat = r.cheap_ms
+
+        def pct(q: float, lat: np.ndarray = lat) -> str:
+            return f"{np.percentile(lat, q):.1f}" if len(lat) else "-"
+
+        slow = "; ".join(f"{kind} {dict(sorted(s.items()))}"
+                         for kind, s in r.slow_answers.items())
+        lines.append(f"| {r.fast_workers} | {', '.join(f'{x:.2f}' for x in r.load_avg)} | "
+                     f"{len(lat)} | {pct(50)} | {pct(90)} | {pct(99)} | {pct(100)} | "
+                     f"{r.cheap_errors or 0} | {slow} |")
+    lines += ["", "Status 0: no answer within the sender's timeout (30 s for a cheap plan, "
+              "120 s for a slow request). With 0 fast workers a cheap plan still goes ahead "
+              "of waiting slow solves but waits for the running one.", ""]
+    return "\n".join(lines)
 
 
 def splice(text: str, new_section: str) -> str:

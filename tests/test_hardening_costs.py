@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -15,13 +16,16 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from planner_service.core.request import debug_request
 from planner_service.proto_build import load
+from planner_service.service import pool as pool_mod
 from planner_service.service.cost_gate import FAST, SLOW, plan_bytes_bound, request_cost
-from planner_service.service.executor import SolveResult
+from planner_service.service.executor import Executor, Overloaded, SolveResult
 from planner_service.service.global_jobs import global_jobs
 from planner_service.service.http_app import create_app
 from planner_service.service.jobs import JobStore
 from planner_service.service.metrics import ServiceMetrics
+from planner_service.service.schemas import request_key
 from planner_service.service.settings import load_settings
 from planner_service.service.testing import grpc_in_thread
 
@@ -56,9 +60,9 @@ def refused(response, field: str) -> dict:
 # ---- cost before work -------------------------------------------------------------------
 
 @pytest.mark.parametrize(("docs", "length", "ranks", "strategy"), [
-    (2048, 4096, 1024, "per_doc"),   # a 12 KB body that solved 56.5 s, then answered 422
-    (4096, 4096, 512, "per_doc"),    # ran to the 60 s deadline
-    (65536, 256, 16, "zigzag"),      # 9.6-16 s, then 422
+    (2048, 4096, 1024, "per_doc"),   # a 12 KB body whose plan is about 142 MB
+    (4096, 4096, 512, "per_doc"),
+    (65536, 256, 16, "zigzag"),
 ])
 def test_plans_too_large_are_refused_before_any_solve(http, docs, length, ranks, strategy):
     before = misses(http)
@@ -200,7 +204,7 @@ def test_one_client_with_huge_batches_evicts_only_its_own():
                          memory_bytes=64 * 2**20, deadline_s=60, metrics=metrics,
                          max_jobs_per_client=64, max_client_bytes=32 * 2**20, store="plans")
         store.submit("victim", "0", "k-victim", lambda: _done(1000), client="10.0.0.2")
-        for i in range(40):  # 17 MB batches, as in the finding
+        for i in range(40):  # 17 MB batches
             store.submit(f"attacker{i}", "0", f"k{i}", lambda: _done(17 * 2**20),
                          client="10.0.0.1")
             await asyncio.sleep(0)
@@ -305,3 +309,59 @@ def grpc_stubs():
         yield (stubs, stubs.pb2_grpc.PlannerStub(channel),
                stubs.pb2_grpc.GlobalBatchesStub(channel))
         channel.close()
+
+
+# ---- lanes: a cheap plan never waits behind a slow one --------------------------------
+
+def test_a_fast_task_runs_while_every_slow_worker_is_busy():
+    async def main() -> None:
+        pool = pool_mod.WorkerPool(1, reserved=1)
+        pool.start()
+        loop = asyncio.get_running_loop()
+        slow = [pool.submit(time.sleep, 3600, timeout_s=3600, lane="slow", client=c)
+                for c in ("a", "b")]
+        assert await pool.submit(abs, -3, timeout_s=3600, lane="fast") == 3
+        assert not any(f.done() for f in slow)
+        assert pool.waiting("slow") == 1 and pool.waiting("fast") == 0
+        for f in slow:
+            f.cancel()
+        await pool.close(loop.time())
+    asyncio.run(main())
+
+
+def test_waiting_slow_tasks_start_round_robin_over_clients():
+    async def main() -> None:
+        pool = pool_mod.WorkerPool(1)
+        pool.start()
+        loop = asyncio.get_running_loop()
+        finished: list[str] = []
+        names = [("a", "a1", 0.3), ("a", "a2", 0), ("a", "a3", 0), ("b", "b1", 0)]
+        futures = []
+        for client, name, seconds in names:
+            f = pool.submit(time.sleep, seconds, timeout_s=3600, lane="slow", client=client)
+            f.add_done_callback(lambda _, name=name: finished.append(name))
+            futures.append(f)
+        await asyncio.gather(*futures)
+        assert finished == ["a1", "b1", "a2", "a3"]
+        await pool.close(loop.time())
+    asyncio.run(main())
+
+
+def test_one_client_cannot_hold_more_than_its_share_of_the_slow_lane():
+    async def main() -> None:
+        ex = Executor(load_settings(workers=1, max_slow_per_client=1, slow_queue_size=4),
+                      ServiceMetrics())
+        await ex.start()
+        held = ex.start_call(time.sleep, 3600, client="10.0.0.1")
+        with pytest.raises(Overloaded, match="PLANNER_MAX_SLOW_PER_CLIENT"):
+            ex.start_call(time.sleep, 3600, client="10.0.0.1")
+        other = ex.start_call(abs, -1, client="10.0.0.2")  # another client is admitted
+        assert ex.lane_depth("slow") == 2
+        # The fast lane answers meanwhile, on its reserved process.
+        result = await ex.solve(debug_request(), request_key(debug_request()), timeout_s=60)
+        assert result.plan_json
+        assert 'planner_rejected_total{reason="client_slow"} 1.0' in ex.metrics.render().decode()
+        held.cancel()
+        other.cancel()
+        await ex.close(asyncio.get_running_loop().time())
+    asyncio.run(main())

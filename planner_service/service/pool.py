@@ -94,9 +94,19 @@ def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="planner-parent-watch", daemon=True).start()
 
 
-def worker_main(conn: Connection, parent_pid: int) -> None:
+SLOW_NICE = 10
+"""Niceness of the unreserved solver processes (they run the slow lane): the OS gives
+the reserved fast-lane process and the event loop the CPU first when cores are short."""
+
+
+def worker_main(conn: Connection, parent_pid: int, nice: int = 0) -> None:
     """Loop: receive (task id, fn, args), answer (task id, ok, result or exception)."""
     watch_parent(parent_pid)
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:  # not permitted here: same priority as the server
+            pass
     # Requests never name server files: profiles come by value or by operator-given name.
     from planner_service.fcp.cost_model import forbid_profile_files
 
@@ -184,7 +194,8 @@ class WorkerPool:
     def _spawn(self, reserved: bool = False) -> None:
         assert self._loop is not None
         ours, theirs = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=worker_main, args=(theirs, os.getpid()),
+        nice = 0 if reserved or not self.reserved else SLOW_NICE
+        process = self._ctx.Process(target=worker_main, args=(theirs, os.getpid(), nice),
                                     name="planner-solver", daemon=True)
         process.start()
         theirs.close()

@@ -47,9 +47,10 @@ class Settings(BaseSettings):
     in the fast lane; larger requests, ilp, fcp and FCP schedules run in the slow lane."""
     slow_queue_size: int = Field(8, ge=0, le=100_000)
     """Slow-lane solves that may wait beyond one per (unreserved) worker; more answer 429."""
-    max_slow_per_client: int = Field(2, ge=1, le=100_000)
-    """Slow-lane solves one client (peer address) may have admitted at once; more answer
-    429 for that client only. Waiting slow solves start round-robin over clients."""
+    max_slow_per_client: int = Field(4, ge=1, le=100_000)
+    """Slow-lane solves one client (peer address) may have admitted at once (a
+    /v1/compare of every strategy takes up to 3); more answer 429 for that client only.
+    Waiting slow solves start round-robin over clients."""
     ready_max_queue_age_s: float = Field(5.0, gt=0, le=3600)
     """/readyz answers 503 while a fast-lane solve has waited longer than this."""
     request_timeout_s: float = Field(60.0, gt=0, le=3600)
