@@ -73,7 +73,7 @@ def hog(stop: multiprocessing.synchronize.Event, parent: int) -> None:  # type: 
             x = (x * 31 + 7) % 1_000_003
 
 
-def run(request: PlanRequest, busy: bool, ctx: multiprocessing.context.BaseContext) -> Outcome:
+def run(request: PlanRequest, busy: bool, ctx: multiprocessing.context.SpawnContext) -> Outcome:
     stop = ctx.Event()
     hogs = [ctx.Process(target=hog, args=(stop, os.getpid()), daemon=True) for _ in range(2 if busy else 0)]
     for p in hogs:

@@ -335,14 +335,16 @@ def test_waiting_slow_tasks_start_round_robin_over_clients():
         pool.start()
         loop = asyncio.get_running_loop()
         finished: list[str] = []
-        names = [("a", "a1", 0.3), ("a", "a2", 0), ("a", "a3", 0), ("b", "b1", 0)]
+        # z holds the one worker while a's three and b's one queue up.
+        names = [("z", "z", 0.3), ("a", "a1", 0), ("a", "a2", 0), ("a", "a3", 0),
+                 ("b", "b1", 0)]
         futures = []
         for client, name, seconds in names:
             f = pool.submit(time.sleep, seconds, timeout_s=3600, lane="slow", client=client)
             f.add_done_callback(lambda _, name=name: finished.append(name))
             futures.append(f)
         await asyncio.gather(*futures)
-        assert finished == ["a1", "b1", "a2", "a3"]
+        assert finished == ["z", "a1", "b1", "a2", "a3"]
         await pool.close(loop.time())
     asyncio.run(main())
 

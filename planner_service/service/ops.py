@@ -90,12 +90,15 @@ class PlannerService:
         self.metrics.solver_kills.set_function(lambda: float(self.executor.kills))
         self.metrics.streams_pending.set_function(lambda: float(self.streams_unanswered))
         for lane in LANES:
-            self.metrics.lane_depth.labels(lane).set_function(
-                lambda lane=lane: float(self.executor.lane_depth(lane)))
-            self.metrics.lane_waiting.labels(lane).set_function(
-                lambda lane=lane: float(self.executor.lane_waiting(lane)))
-            self.metrics.lane_age.labels(lane).set_function(
-                lambda lane=lane: self.executor.lane_age_s(lane))
+            self._lane_gauges(lane)
+
+    def _lane_gauges(self, lane: str) -> None:
+        """Bind the per-lane gauges of ``lane`` to the executor's figures."""
+        ex = self.executor
+        self.metrics.lane_depth.labels(lane).set_function(lambda: float(ex.lane_depth(lane)))
+        self.metrics.lane_waiting.labels(lane).set_function(
+            lambda: float(ex.lane_waiting(lane)))
+        self.metrics.lane_age.labels(lane).set_function(lambda: ex.lane_age_s(lane))
 
     @property
     def is_ready(self) -> bool:
