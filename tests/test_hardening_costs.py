@@ -367,3 +367,34 @@ def test_one_client_cannot_hold_more_than_its_share_of_the_slow_lane():
         other.cancel()
         await ex.close(asyncio.get_running_loop().time())
     asyncio.run(main())
+
+
+def _refuse() -> None:
+    from planner_service.core.errors import FieldError
+
+    raise FieldError("cp_size", "cp_size: the plan is too large (a solver's refusal)")
+
+
+def test_every_started_solve_is_observed_whatever_its_outcome():
+    async def main() -> None:
+        seen: list[tuple[str, str]] = []
+        pool = pool_mod.WorkerPool(1, observer=lambda label, s, outcome: seen.append(
+            (label, outcome)))
+        pool.start()
+        loop = asyncio.get_running_loop()
+        assert await pool.submit(abs, -2, timeout_s=60, label="ok") == 2
+        with pytest.raises(ValueError):
+            await pool.submit(_refuse, timeout_s=60, label="refused")
+        with pytest.raises(pool_mod.TaskExpired):
+            await pool.submit(time.sleep, 3600, timeout_s=0.3, label="late")
+        abandoned = pool.submit(time.sleep, 3600, timeout_s=3600, label="gone")
+        until = loop.time() + 60
+        while pool.waiting("slow") and loop.time() < until:  # the replacement takes it
+            await asyncio.sleep(0.01)
+        assert not pool.waiting("slow")
+        abandoned.cancel()
+        await asyncio.sleep(0)
+        assert seen == [("ok", "ok"), ("refused", "refused"), ("late", "timeout"),
+                        ("gone", "abandoned")]
+        await pool.close(loop.time())
+    asyncio.run(main())
