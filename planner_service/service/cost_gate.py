@@ -24,9 +24,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from planner_service.core.errors import FieldError
+from planner_service.service.lanes import FAST, SLOW
 
-FAST = "fast"
-SLOW = "slow"
 LANES = (FAST, SLOW)
 
 FAST_STRATEGIES = frozenset({"llama3", "ring", "per_doc", "zigzag", "flashcp",

@@ -29,13 +29,14 @@ import logging
 import multiprocessing
 import os
 import sys
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from planner_service.core.errors import FieldError
+from planner_service.service.lanes import SLOW, Lanes
 
 log = logging.getLogger("planner_service.service")
 
@@ -51,9 +52,6 @@ PRELOAD = ("planner_service.service.executor", "planner_service.solvers.ilp",
 warm (milliseconds, not the seconds of importing pydantic and OR-Tools afresh)."""
 STUCK_AFTER_S = 1.0
 """A worker still busy this long after its task's deadline counts as stuck (readiness)."""
-FAST, SLOW = "fast", "slow"
-"""The lanes (service/cost_gate.py names them too)."""
-
 Observer = Callable[[str, float, str], None]
 """Called once per task that started: (label, seconds it ran, outcome), the outcome one of
 ok, refused (a FieldError), error, timeout, abandoned, died."""
@@ -176,9 +174,8 @@ class WorkerPool:
         self._ctx = pool_context()
         self._workers: list[_Worker] = []
         self._idle: deque[_Worker] = deque()
-        self._fast: deque[_Task] = deque()
-        self._slow: OrderedDict[str, deque[_Task]] = OrderedDict()
-        """client -> its waiting slow-lane tasks; dispatch rotates over the clients."""
+        self._queue = Lanes()
+        """Tasks not yet sent to a worker."""
         self._tasks: dict[asyncio.Future[Any], _Task] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -222,10 +219,7 @@ class WorkerPool:
         task.timer = self._loop.call_at(task.deadline, self._expire, task)
         self._tasks[future] = task
         future.add_done_callback(self._on_future_done)
-        if lane == FAST:
-            self._fast.append(task)
-        else:
-            self._slow.setdefault(client, deque()).append(task)
+        self._queue.add(task)
         self._dispatch()
         return future
 
@@ -238,17 +232,14 @@ class WorkerPool:
             self.observer(task.label, self._loop.time() - task.started, outcome)
 
     def waiting(self, lane: str) -> int:
-        """Tasks of ``lane`` not yet sent to a worker (some may be expired already)."""
-        if lane == FAST:
-            return sum(not t.future.done() for t in self._fast)
-        return sum(not t.future.done() for q in self._slow.values() for t in q)
+        """Live tasks of ``lane`` not yet sent to a worker."""
+        return self._queue.waiting(lane)
 
     def oldest_wait_s(self, lane: str) -> float:
         """How long the oldest waiting task of ``lane`` has waited (0 if none)."""
         assert self._loop is not None
-        tasks = self._fast if lane == FAST else [t for q in self._slow.values() for t in q]
-        queued = [t.queued for t in tasks if not t.future.done()]
-        return self._loop.time() - min(queued) if queued else 0.0
+        queued = self._queue.oldest_queued(lane)
+        return 0.0 if queued is None else self._loop.time() - queued
 
     def extend(self, future: asyncio.Future[Any], timeout_s: float) -> None:
         """Let a task run until ``timeout_s`` from now if that is later than its deadline
@@ -314,29 +305,11 @@ class WorkerPool:
             return
         self._on_death(worker)
 
-    def _next_task(self, reserved: bool) -> _Task | None:
-        """The next live task a worker may take: the fast lane first; then (unreserved
-        workers only) the slow lane, one task of each waiting client in turn."""
-        while self._fast:
-            task = self._fast.popleft()
-            if not task.future.done():
-                return task
-        while self._slow and not reserved:
-            client, queue = next(iter(self._slow.items()))
-            task = queue.popleft()
-            if queue:
-                self._slow.move_to_end(client)
-            else:
-                del self._slow[client]
-            if not task.future.done():
-                return task
-        return None
-
     def _dispatch(self) -> None:
         assert self._loop is not None
         # Reserved workers first, so a fast task leaves the others free for slow ones.
         for worker in sorted(self._idle, key=lambda w: not w.reserved):
-            task = self._next_task(worker.reserved)
+            task: _Task | None = self._queue.take(worker.reserved)
             if task is None:
                 continue
             self._idle.remove(worker)
@@ -424,12 +397,9 @@ class WorkerPool:
         """True once close() stopped taking tasks."""
         return self._closing
 
-    def _all_waiting(self) -> list[_Task]:
-        return [*self._fast, *(t for q in self._slow.values() for t in q)]
-
     @property
     def busy(self) -> bool:
-        return bool(self._all_waiting()) or any(w.task is not None for w in self._workers)
+        return bool(self._queue.tasks()) or any(w.task is not None for w in self._workers)
 
     async def close(self, deadline: float) -> None:
         """Let running and waiting tasks finish until loop time ``deadline``, then stop the
@@ -438,12 +408,11 @@ class WorkerPool:
         while self.busy and self._loop.time() < deadline:
             await asyncio.sleep(0.01)
         self._closing = True
-        for task in self._all_waiting():
+        for task in self._queue.tasks():
             if not task.future.done():
                 task.future.set_exception(WorkerDied("the service stopped before this solve "
                                                      "ran"))
-        self._fast.clear()
-        self._slow.clear()
+        self._queue.clear()
         for worker in list(self._workers):
             self._loop.remove_reader(worker.conn.fileno())
             if worker.task is None and not worker.killed:
