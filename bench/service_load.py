@@ -15,6 +15,11 @@ plan through PlanClient and measures how long ``get`` waits, over HTTP and gRPC.
 Part 3: the same loop while the server is SIGKILLed and restarted on the same ports:
 the loop must keep its pace on fallback plans and return to service plans.
 
+Part 4 (``bench.slow_lane``): small flashcp plans while as many slow requests (ILP at the
+largest time limit, FCP schedules of 1,024 sequences, ``auto`` at 2M tokens / N = 1,024)
+as the slow lane admits stay in flight; ``--only-slow-lane`` runs it alone and replaces
+its section of ``--out``, keeping the other parts.
+
 The server is started here (``planner serve`` on 127.0.0.1, port 0) and stopped at the
 end; nothing but loopback is contacted and every loop is bounded in time.
 """
@@ -35,6 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from bench.slow_lane import run_slow_lane, section, splice
 from planner_service.client import PlanClient
 from planner_service.data import make_source, pack_sequences
 from planner_service.proto_build import load
@@ -281,7 +287,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--transports", default="http,grpc")
     p.add_argument("--no-kill", action="store_true", help="skip part 3")
     p.add_argument("--out", type=Path, default=Path("bench/results/service_load.md"))
+    p.add_argument("--slow-duration", type=float, default=40.0, help="seconds of part 4")
+    p.add_argument("--no-slow-lane", action="store_true", help="skip part 4")
+    p.add_argument("--only-slow-lane", action="store_true", help="run part 4 alone")
     args = p.parse_args(argv)
+    command = f"python -m bench.service_load {' '.join(sys.argv[1:])}".rstrip()
+    if args.only_slow_lane:
+        part = section([run_slow_lane(args.slow_duration, fast_workers=k) for k in (1, 0)],
+                       command)
+        old = args.out.read_text() if args.out.exists() else ""
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(splice(old, part))
+        print(part)
+        return
 
     load_avg = os.getloadavg()
     bodies = make_bodies(args.dataset, args.context, args.cp, args.pool, seed=1)
@@ -319,6 +337,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"kill: fallbacks {kill.sources.count('fallback')}, max wait "
                   f"{kill.waits_ms.max():.3f} ms", flush=True)
     text = report(args, loads, loops, kill, kill_steps, load_avg)
+    if not args.no_slow_lane:
+        text = splice(text, section([run_slow_lane(args.slow_duration, fast_workers=k)
+                                     for k in (1, 0)], command))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

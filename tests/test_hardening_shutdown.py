@@ -42,7 +42,9 @@ def wait_for_depth(url: str, depth: int) -> None:
 
 
 def test_sigterm_drains_in_flight_and_queued_work_then_exits_0():
-    env = {"PLANNER_SHUTDOWN_GRACE_S": str(GRACE_S), "PLANNER_TEST_HOOKS": "1"}
+    # No reserved fast-lane process: the queued batches wait behind the slow solve.
+    env = {"PLANNER_SHUTDOWN_GRACE_S": str(GRACE_S), "PLANNER_TEST_HOOKS": "1",
+           "PLANNER_FAST_WORKERS": "0"}
     with ServerProcess(workers=1, grpc=False, env=env) as s:
         answers: dict[str, tuple[int, str]] = {}
 

@@ -221,7 +221,7 @@ def test_jobs_evict_a_jobs_old_batches():
         assert c.get("/v1/jobs/j/batches/3", params={"wait_ms": 5000}).status_code == 200
         assert c.get("/v1/jobs/j/batches/2", params={"wait_ms": 5000}).status_code == 200
         assert c.get("/v1/jobs/j/batches/0").status_code == 404
-        assert 'planner_job_evictions_total{reason="job_window"} 2.0' in c.get("/metrics").text
+        assert 'planner_job_evictions_total{reason="job_window",store="plans"} 2.0' in c.get("/metrics").text
 
 
 SCHEDULE = {"sequences": [[30000, 2000], [512, 700, 9000], [4096]], "num_ranks": 4,

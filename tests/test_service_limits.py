@@ -47,7 +47,7 @@ def test_a_stuck_pool_is_not_ready_until_its_worker_is_replaced(monkeypatch):
 
 def test_an_abandoned_or_late_solve_frees_its_worker():
     async def main():
-        ex = Executor(load_settings(workers=1), ServiceMetrics())
+        ex = Executor(load_settings(workers=1, fast_workers=0), ServiceMetrics())
         await ex.start()
         task = asyncio.ensure_future(ex.call(time.sleep, 3600, timeout_s=60))
         await asyncio.sleep(0.3)

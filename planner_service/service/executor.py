@@ -2,7 +2,11 @@
 
 Admission is synchronous (:meth:`Executor.submit`), so a caller learns at once that the
 service is full (:class:`Overloaded`, answered 429 / RESOURCE_EXHAUSTED with Retry-After)
-instead of the backlog growing. Identical requests (same content hash) share one solve
+instead of the backlog growing. Admission is per lane (service/cost_gate.py): the fast
+lane (cheap strategies) has PLANNER_FAST_WORKERS solver processes of its own and a queue
+bound of PLANNER_QUEUE_SIZE; the slow lane (ilp, fcp, FCP schedules, large requests)
+admits PLANNER_SLOW_QUEUE_SIZE beyond its workers and at most PLANNER_MAX_SLOW_PER_CLIENT
+solves of one client. Identical requests (same content hash) share one solve
 while it runs and are answered from an LRU cache (bounded in entries and bytes) afterwards.
 
 Every solve runs under the latest deadline of the callers waiting for it: when that passes,
@@ -18,28 +22,27 @@ import asyncio
 import concurrent.futures as cf
 import logging
 import math
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from planner_service.core.errors import FieldError
-from planner_service.core.request import PlanRequest, debug_request
+from planner_service.core.request import PlanRequest
 from planner_service.core.validate import PlanError
 from planner_service.service import test_hooks
+from planner_service.service.cost_gate import FAST, LANES, SLOW, request_cost
 from planner_service.service.metrics import ServiceMetrics
 from planner_service.service.pool import TaskExpired, WorkerDied, WorkerPool
 from planner_service.service.settings import Settings
-from planner_service.solvers.registry import strategies_of_complexity, timed_solve
+from planner_service.service.worker_tasks import (
+    WARM_TIMEOUT_S,
+    call_in_worker,
+    solve_in_worker,
+    warm_worker,
+)
 
 log = logging.getLogger("planner_service.service")
-
-WARM_STRATEGIES = tuple(sorted(strategies_of_complexity("linear", "heuristic")))
-"""Solved once on each worker at start: every strategy that answers in milliseconds."""
-WARM_TIMEOUT_S = 120.0
-"""Deadline of one worker's warm-up (imports and one small solve per fast strategy)."""
-
 
 class Overloaded(Exception):
     """The bounded queue is full; retry after ``retry_after_s`` seconds."""
@@ -65,28 +68,6 @@ class SolveResult(NamedTuple):
     """A few plan metrics (PlanMetrics of the proto) without parsing plan_json."""
 
 
-# ---- functions that run in the worker processes (module level: they are pickled) -------
-
-def solve_in_worker(request: PlanRequest, max_plan_bytes: int | None = None
-                    ) -> tuple[str, str, float, dict[str, Any]]:
-    """Solve and serialise in the worker, so the event loop only moves a string.
-
-    Raises FieldError (``cp_size``) when the plan's JSON is above ``max_plan_bytes``.
-    """
-    test_hooks.install()
-    solved = timed_solve(request)
-    m = solved.plan.metrics
-    headline = {"imbalance": m.imbalance, "comm_tokens": m.comm_tokens,
-                "full_comm_tokens": m.full_comm_tokens, "comm_saving": m.comm_saving,
-                "est_step_ms": m.est_step_ms, "tokens_per_rank": m.tokens_per_rank}
-    text = solved.plan.to_json()
-    if max_plan_bytes is not None and len(text) > max_plan_bytes:
-        raise FieldError("cp_size", f"cp_size: the plan is {len(text)} bytes of JSON, above "
-                         f"the limit {max_plan_bytes} (PLANNER_MAX_PLAN_BYTES); use fewer "
-                         "ranks or documents, or a strategy that splits fewer documents")
-    return text, solved.plan.plan_id, solved.solve_ms, headline
-
-
 def solver_error(exc: BaseException) -> BaseException:
     """A solver's exception as callers see it: an expired task is DeadlineExceeded; a
     ValueError the core raised without a field (every request check raises FieldError) is
@@ -99,24 +80,6 @@ def solver_error(exc: BaseException) -> BaseException:
     return exc
 
 
-def warm_worker() -> int:
-    """Import the solvers and run each fast strategy once, so first requests are fast."""
-    test_hooks.install()
-    for strategy in WARM_STRATEGIES:
-        timed_solve(debug_request(strategy=strategy))
-    return os.getpid()
-
-
-def call_in_worker(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """Run ``fn(*args)`` and time it (used for FCP scheduling)."""
-    import time
-
-    test_hooks.install()
-    start = time.perf_counter()
-    out = fn(*args)
-    return out, (time.perf_counter() - start) * 1e3
-
-
 @dataclass(eq=False)
 class _Solve:
     """One running solve and the callers waiting for it."""
@@ -125,6 +88,8 @@ class _Solve:
     """The pool's future (its cancellation stops the solver process)."""
     result: asyncio.Future[SolveResult]
     waiters: int = 0
+    started: float = 0.0
+    """Loop time of its admission (times the thread mode's failed solves)."""
 
 
 class Executor:
@@ -134,10 +99,17 @@ class Executor:
         self.settings = settings
         self.metrics = metrics
         self.workers = settings.workers
-        self.capacity = max(1, settings.workers) + settings.queue_size
+        self.fast_workers = settings.fast_workers if settings.workers > 0 else 0
+        self.lane_capacity = {
+            FAST: max(1, settings.workers) + self.fast_workers + settings.queue_size,
+            SLOW: max(1, settings.workers) + settings.slow_queue_size}
+        self.capacity = sum(self.lane_capacity.values())
         self.cache_bytes_limit = int(settings.cache_mb * 2**20)
         self._pool: WorkerPool | cf.ThreadPoolExecutor | None = None
         self._depth = 0
+        self._lane_depth = dict.fromkeys(LANES, 0)
+        self._client_slow: dict[str, int] = {}
+        """client -> its slow-lane solves admitted and not finished."""
         self._inflight: dict[str, _Solve] = {}
         self._cache: OrderedDict[str, SolveResult] = OrderedDict()
         self._cache_bytes = 0
@@ -149,23 +121,31 @@ class Executor:
     def _make_pool(self) -> WorkerPool | cf.ThreadPoolExecutor:
         if self.workers == 0:
             return cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner-solve")
-        pool = WorkerPool(self.workers)
+        pool = WorkerPool(self.workers, reserved=self.fast_workers, observer=self._observe)
         pool.start()
         return pool
+
+    def _observe(self, label: str, seconds: float, outcome: str) -> None:
+        """Every solve's run time, whatever its outcome (planner_solve_seconds)."""
+        if label:
+            self.metrics.solve_seconds.labels(label, outcome).observe(seconds)
 
     async def start(self) -> None:
         """Start the workers and run one warm-up task on each (concurrently)."""
         test_hooks.install()
         self._pool = self._make_pool()
-        pids = await asyncio.gather(*(self._submit(warm_worker, timeout_s=WARM_TIMEOUT_S)
-                                      for _ in range(max(1, self.workers))))
-        log.info("solver pool ready: %d worker(s) %s", self.workers, sorted(set(pids)))
+        size = max(1, self.workers) + self.fast_workers
+        pids = await asyncio.gather(*(self._submit(warm_worker, timeout_s=WARM_TIMEOUT_S,
+                                                   lane=FAST) for _ in range(size)))
+        log.info("solver pool ready: %d worker(s) + %d fast-lane %s", self.workers,
+                 self.fast_workers, sorted(set(pids)))
 
-    def _submit(self, fn: Callable[..., Any], *args: Any, timeout_s: float
-                ) -> asyncio.Future[Any]:
+    def _submit(self, fn: Callable[..., Any], *args: Any, timeout_s: float,
+                lane: str = SLOW, client: str = "", label: str = "") -> asyncio.Future[Any]:
         assert self._pool is not None
         if isinstance(self._pool, WorkerPool):
-            return self._pool.submit(fn, *args, timeout_s=timeout_s)
+            return self._pool.submit(fn, *args, timeout_s=timeout_s, lane=lane,
+                                     client=client, label=label)
         return asyncio.wrap_future(self._pool.submit(fn, *args))
 
     async def close(self, deadline: float | None = None) -> None:
@@ -186,6 +166,18 @@ class Executor:
     def depth(self) -> int:
         """Solves admitted and not finished."""
         return self._depth
+
+    def lane_depth(self, lane: str) -> int:
+        """Solves of ``lane`` admitted and not finished (running + waiting)."""
+        return self._lane_depth[lane]
+
+    def lane_waiting(self, lane: str) -> int:
+        """Solves of ``lane`` waiting for a worker (process pool only)."""
+        return self._pool.waiting(lane) if isinstance(self._pool, WorkerPool) else 0
+
+    def lane_age_s(self, lane: str) -> float:
+        """How long the oldest waiting solve of ``lane`` has waited."""
+        return self._pool.oldest_wait_s(lane) if isinstance(self._pool, WorkerPool) else 0.0
 
     @property
     def cache_entries(self) -> int:
@@ -208,37 +200,59 @@ class Executor:
 
     # ---- admission --------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self, lane: str, client: str) -> None:
         if self._pool is None:
             raise Overloaded("the solver pool is not running (starting or shutting down)", 1)
         if isinstance(self._pool, WorkerPool) and self._pool.closing:
             raise WorkerDied("the service is stopping")
-        if self._depth >= self.capacity:
+        depth, capacity = self._lane_depth[lane], self.lane_capacity[lane]
+        if depth >= capacity:
             self.metrics.rejected.labels("queue_full").inc()
-            per_worker = self._depth / max(1, self.workers)
+            per_worker = depth / max(1, self.workers)
             retry = max(1, math.ceil(per_worker * self._ewma_solve_s))
-            raise Overloaded(f"the solver queue is full ({self._depth} of {self.capacity} "
+            raise Overloaded(f"the {lane}-lane solver queue is full ({depth} of {capacity} "
                              "solves admitted); retry later", retry)
+        if lane == SLOW and self._client_slow.get(client, 0) >= self.settings.max_slow_per_client:
+            self.metrics.rejected.labels("client_slow").inc()
+            raise Overloaded(f"this client has {self.settings.max_slow_per_client} slow solves "
+                             "(ilp, fcp, schedules, large requests) admitted, the limit "
+                             "(PLANNER_MAX_SLOW_PER_CLIENT); retry when one finishes", 1)
 
-    def _run(self, fn: Callable[..., Any], *args: Any, timeout_s: float
-             ) -> asyncio.Future[Any]:
+    def _run(self, fn: Callable[..., Any], *args: Any, timeout_s: float, lane: str = SLOW,
+             client: str = "", label: str = "") -> asyncio.Future[Any]:
         """Admit and start ``fn(*args)`` on the pool; the returned future is loop-bound."""
-        self._admit()
-        future = self._submit(fn, *args, timeout_s=timeout_s)
+        self._admit(lane, client)
+        future = self._submit(fn, *args, timeout_s=timeout_s, lane=lane, client=client,
+                              label=label)
         self._depth += 1
+        self._lane_depth[lane] += 1
+        if lane == SLOW:
+            self._client_slow[client] = self._client_slow.get(client, 0) + 1
         self.metrics.queue_depth.set(self._depth)
 
         def release(_: asyncio.Future[Any]) -> None:
             self._depth -= 1
+            self._lane_depth[lane] -= 1
+            if lane == SLOW:
+                left = self._client_slow[client] - 1
+                if left:
+                    self._client_slow[client] = left
+                else:
+                    del self._client_slow[client]
             self.metrics.queue_depth.set(self._depth)
 
         future.add_done_callback(release)
         return future
 
+    def lane_of(self, request: PlanRequest) -> str:
+        """The lane of a plan request (service/cost_gate.py). O(documents)."""
+        return request_cost(request.strategy, request.doc_lengths, request.cp_size,
+                            self.settings.fast_lane_max_work).lane
+
     # ---- plans ------------------------------------------------------------------------
 
-    def submit(self, request: PlanRequest, key: str, timeout_s: float | None = None
-               ) -> asyncio.Future[SolveResult]:
+    def submit(self, request: PlanRequest, key: str, timeout_s: float | None = None,
+               client: str = "") -> asyncio.Future[SolveResult]:
         """Start (or join, or answer from cache) the solve of ``request``, to run at most
         ``timeout_s`` (default: :meth:`timeout_for`) from now.
 
@@ -265,9 +279,10 @@ class Executor:
                 self._pool.extend(joined.raw, timeout)
             return joined.result
         raw = self._run(solve_in_worker, request, self.settings.max_plan_bytes,
-                        timeout_s=timeout)
+                        timeout_s=timeout, lane=self.lane_of(request), client=client,
+                        label=request.strategy)
         self.metrics.cache_misses.inc()
-        entry = _Solve(raw, loop.create_future(), waiters=1)
+        entry = _Solve(raw, loop.create_future(), waiters=1, started=loop.time())
         self._inflight[key] = entry
         raw.add_done_callback(lambda f: self._finish(key, request.strategy, entry))
         return entry.result
@@ -292,14 +307,20 @@ class Executor:
             result.cancel()
             return
         exc = raw.exception()
+        threaded = not isinstance(self._pool, WorkerPool)  # the pool observes its own
         if exc is not None:
+            if threaded:
+                outcome = "refused" if isinstance(exc, FieldError) else "error"
+                self._observe(strategy, asyncio.get_running_loop().time() - entry.started,
+                              outcome)
             result.set_exception(solver_error(exc))
             result.exception()  # mark retrieved: nobody may be waiting any more
             return
         plan_json, plan_id, solve_ms, headline = raw.result()
         solved = SolveResult(plan_json, plan_id, strategy, solve_ms, False, headline)
         self._ewma_solve_s = 0.9 * self._ewma_solve_s + 0.1 * solve_ms / 1e3
-        self.metrics.solve_seconds.labels(strategy).observe(solve_ms / 1e3)
+        if threaded:
+            self._observe(strategy, solve_ms / 1e3, "ok")
         self._remember(key, solved)
         result.set_result(solved)
 
@@ -321,33 +342,35 @@ class Executor:
     def timeout_for(self, requested_s: float | None, request: PlanRequest | None = None
                     ) -> float:
         """The deadline of one call: the caller's, capped at PLANNER_REQUEST_TIMEOUT_S
-        (raised to 2 x options.time_limit_s + 5 s for a request that sets a limit, itself
-        at most PLANNER_MAX_TIME_LIMIT_S)."""
+        (raised to options.time_limit_s + 5 s for a request that sets a limit, itself at
+        most PLANNER_MAX_TIME_LIMIT_S: the ILP ends within its limit plus about 1 s)."""
         cap = self.settings.request_timeout_s
         limit = request.options.get("time_limit_s") if request is not None else None
         if isinstance(limit, (int, float)) and not isinstance(limit, bool):
-            cap = max(cap, 2 * min(float(limit), self.settings.max_time_limit_s) + 5)
+            cap = max(cap, min(float(limit), self.settings.max_time_limit_s) + 5)
         return cap if requested_s is None or requested_s <= 0 else min(cap, requested_s)
 
     async def solve(self, request: PlanRequest, key: str,
-                    timeout_s: float | None = None) -> SolveResult:
+                    timeout_s: float | None = None, client: str = "") -> SolveResult:
         """Submit and wait up to the deadline; raises Overloaded, DeadlineExceeded,
         FieldError or PlanError. Cancelling the caller stops the solve if nobody else
         waits for it."""
         timeout = self.timeout_for(timeout_s, request)
-        future = self.submit(request, key, timeout)
+        future = self.submit(request, key, timeout, client)
         try:
             return await wait_for(future, timeout)
         finally:
             self.release(key, future)
 
     async def call(self, fn: Callable[..., Any], *args: Any,
-                   timeout_s: float | None = None) -> tuple[Any, float]:
-        """Run a picklable ``fn(*args)`` on the pool (no cache) within the deadline;
-        returns (result, ms). The solve is stopped when the deadline passes or the caller
-        is cancelled."""
+                   timeout_s: float | None = None, client: str = "",
+                   label: str = "schedule") -> tuple[Any, float]:
+        """Run a picklable ``fn(*args)`` on the pool's slow lane (no cache) within the
+        deadline; returns (result, ms). The solve is stopped when the deadline passes or
+        the caller is cancelled."""
         timeout = self.timeout_for(timeout_s)
-        raw = self._run(call_in_worker, fn, *args, timeout_s=timeout)
+        raw = self._run(call_in_worker, fn, *args, timeout_s=timeout, client=client,
+                        label=label)
         try:
             return await wait_for(raw, timeout)
         except Exception as exc:  # noqa: BLE001 - translated, then raised
@@ -359,11 +382,13 @@ class Executor:
             if not raw.done() and isinstance(self._pool, WorkerPool):
                 raw.cancel()
 
-    def start_call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[tuple[Any, float]]:
-        """Admit and start a picklable ``fn(*args)`` on the pool now (no cache), stopped at
-        the deadline PLANNER_REQUEST_TIMEOUT_S (the future then fails with TaskExpired);
-        the future gives (result, ms). Raises Overloaded at once when full."""
-        return self._run(call_in_worker, fn, *args, timeout_s=self.timeout_for(None))
+    def start_call(self, fn: Callable[..., Any], *args: Any, client: str = "",
+                   label: str = "schedule") -> asyncio.Future[tuple[Any, float]]:
+        """Admit and start a picklable ``fn(*args)`` on the slow lane now (no cache),
+        stopped at the deadline PLANNER_REQUEST_TIMEOUT_S (the future then fails with
+        TaskExpired); the future gives (result, ms). Raises Overloaded at once when full."""
+        return self._run(call_in_worker, fn, *args, timeout_s=self.timeout_for(None),
+                         client=client, label=label)
 
 
 async def wait_for(future: asyncio.Future[Any], timeout_s: float) -> Any:

@@ -15,8 +15,10 @@ from planner_service.solvers.fcp_schedule import ScheduleRequest, schedule
 
 
 def build_request(payload: dict[str, Any]) -> ScheduleRequest:
-    """The ScheduleRequest of a JSON body; raises FieldError naming a bad or unknown field."""
-    data = dict(payload)
+    """The ScheduleRequest of a JSON body; raises FieldError naming a bad or unknown field.
+    A field set to null takes its default, in ``model`` too (ScheduleRequestIn's unset
+    fields dump as None)."""
+    data = {name: value for name, value in payload.items() if value is not None}
     known = ScheduleRequest.__dataclass_fields__
     unknown = sorted(set(data) - set(known))
     if unknown:
@@ -26,7 +28,8 @@ def build_request(payload: dict[str, Any]) -> ScheduleRequest:
     if isinstance(data.get("full_attention"), list):
         data["full_attention"] = tuple(data["full_attention"])
     if isinstance(data.get("model"), dict):
-        data["model"] = ModelSpec.from_dict(data["model"])
+        data["model"] = ModelSpec.from_dict({k: v for k, v in data["model"].items()
+                                             if v is not None})
     return ScheduleRequest(**data)
 
 

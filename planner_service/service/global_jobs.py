@@ -27,11 +27,15 @@ from pydantic import BaseModel
 
 from planner_service.core.errors import FieldError
 from planner_service.service.executor import SolveResult, solver_error
-from planner_service.service.jobs import BatchEntry, JobStore
-from planner_service.service.metrics import ServiceMetrics
+from planner_service.service.jobs import BatchEntry, JobStore, check_id
 from planner_service.service.ops import PlannerService
 from planner_service.service.schedule_wire import ScheduleJson, request_hash, schedule_payload
-from planner_service.service.schemas import ErrorOut, ScheduleRequestIn, refuse_sequence_flood
+from planner_service.service.schemas import (
+    ErrorOut,
+    ScheduleRequestIn,
+    check_json_depth,
+    refuse_sequence_flood,
+)
 
 STRATEGY_LABEL = "fcp"
 JSON = "application/json"
@@ -58,23 +62,27 @@ class GlobalJobs:
     def __init__(self, svc: PlannerService) -> None:
         s = svc.settings
         self.svc = svc
-        # Its own metrics object: the exported planner_jobs / planner_job_batches gauges
-        # and eviction counts stay those of the single-plan store (a shared one would
-        # have both stores overwrite the gauges). Requests are counted as usual.
+        # The service's metrics, labelled store="global" (planner_jobs, planner_job_batches,
+        # planner_job_bytes, planner_job_evictions_total), with the same per-client bounds.
         self.store = JobStore(
             ttl_s=s.job_ttl_s, max_jobs=s.max_jobs, max_batches_per_job=s.max_batches_per_job,
             memory_bytes=int(s.job_memory_mb * 2**20), deadline_s=s.request_timeout_s,
-            metrics=ServiceMetrics())
+            metrics=svc.metrics, max_jobs_per_client=s.max_jobs_per_client,
+            max_client_bytes=int(s.max_client_job_mb * 2**20), store="global")
 
-    def submit(self, job: str, batch: str, body: ScheduleRequestIn) -> tuple[BatchEntry, bool]:
-        """Start scheduling a global batch; returns (entry, created). Raises FieldError,
-        Conflict, Overloaded."""
+    def submit(self, job: str, batch: str, body: ScheduleRequestIn, client: str = ""
+               ) -> tuple[BatchEntry, bool]:
+        """Start scheduling a global batch for ``client`` (its peer address); returns
+        (entry, created). Raises FieldError, Conflict, Overloaded."""
+        check_id(job, "job")
+        check_id(batch, "batch")
         payload = self.svc.schedule_payload(body)
         key = request_hash(payload)
-        return self.store.submit(job, batch, key, lambda: self._start(payload))
+        return self.store.submit(job, batch, key, lambda: self._start(payload, client),
+                                 client=client)
 
-    def _start(self, payload: dict[str, Any]) -> asyncio.Future[SolveResult]:
-        raw = self.svc.executor.start_call(schedule_payload, payload)
+    def _start(self, payload: dict[str, Any], client: str) -> asyncio.Future[SolveResult]:
+        raw = self.svc.executor.start_call(schedule_payload, payload, client=client)
         result: asyncio.Future[SolveResult] = asyncio.get_running_loop().create_future()
 
         def finish(f: asyncio.Future[tuple[ScheduleJson, float]]) -> None:
@@ -123,6 +131,7 @@ def _parse(raw: bytes | str, svc: PlannerService) -> ScheduleRequestIn:
 
     from planner_service.service.schemas import validation_message
 
+    check_json_depth(raw, svc.limits.max_json_depth, "body")  # first: names the nesting
     refuse_sequence_flood(raw, svc.limits.max_sequences)
     try:
         return ScheduleRequestIn.model_validate_json(raw or b"{}")
@@ -144,7 +153,8 @@ def add_routes(app: FastAPI, svc: PlannerService) -> None:
     async def submit_global(job: str, batch: str, request: Request) -> JSONResponse:
         body = _parse(await request.body(), svc)
         request.state.strategy = STRATEGY_LABEL
-        entry, _ = jobs.submit(job, batch, body)
+        entry, _ = jobs.submit(job, batch, body,
+                               client=request.client.host if request.client else "")
         return JSONResponse(status_dict(entry), status_code=200 if entry.status == "done" else 202)
 
     @app.get("/v1/jobs/{job}/global-batches/{batch}", tags=["jobs"],
@@ -174,8 +184,10 @@ class GlobalBatchesServicer:
     labels (passed in, so this module does not import the gRPC edge)."""
 
     def __init__(self, svc: PlannerService, pb2: Any, status_of: StatusOf,
-                 http_equivalent: Mapping[str, str]) -> None:
+                 http_equivalent: Mapping[str, str],
+                 peer_of: Callable[[grpc.aio.ServicerContext], str] = lambda _: "") -> None:
         self.svc = svc
+        self.peer_of = peer_of
         self.jobs = global_jobs(svc)
         self.pb2 = pb2
         self.status_of = status_of
@@ -201,7 +213,8 @@ class GlobalBatchesServicer:
     async def SubmitGlobalBatch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
             body = _parse(request.request_json, self.svc)
-            entry, _ = self.jobs.submit(request.job, request.batch, body)
+            entry, _ = self.jobs.submit(request.job, request.batch, body,
+                                        client=self.peer_of(context))
             return self.pb2.GlobalBatchStatus(**{k: v or "" for k, v in
                                                  status_dict(entry).items()})
         return await self._call(context, "SubmitGlobalBatch", run)

@@ -87,12 +87,18 @@ def peer_host(context: grpc.aio.ServicerContext) -> str:
     return peer_address(context.peer() or "")
 
 
+def metadata_value(text: str, limit: int = 128) -> str:
+    """``text`` as a legal gRPC metadata value: printable ASCII (others as ``?``), cut to
+    ``limit`` characters (a field name may quote a key of the caller's JSON)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text[:limit])
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     """The gRPC status for a service exception (mirrors the HTTP handlers)."""
     if isinstance(exc, ValidationError):
         exc = validation_message(exc)
     if isinstance(exc, FieldError):
-        return Code.INVALID_ARGUMENT, str(exc), (("field", exc.field),)
+        return Code.INVALID_ARGUMENT, str(exc), (("field", metadata_value(exc.field)),)
     if isinstance(exc, Overloaded):
         return Code.RESOURCE_EXHAUSTED, str(exc), (
             ("retry-after", str(exc.retry_after_s)),
@@ -157,7 +163,8 @@ class PlannerServicer:
 
     async def Plan(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
-            result = await self.svc.plan(self._body(request), _timeout(context))
+            result = await self.svc.plan(self._body(request), _timeout(context),
+                                         peer_host(context))
             return grpc_wire.plan_reply(self.pb2, result)
         return await self._call(context, "Plan", request.strategy or "flashcp", run)
 
@@ -165,7 +172,7 @@ class PlannerServicer:
         async def run() -> Any:
             strategies = list(request.strategies) or None
             body = self._body(request.request, CompareRequestIn, strategies=strategies)
-            result = await self.svc.compare(body, _timeout(context))
+            result = await self.svc.compare(body, _timeout(context), peer_host(context))
             return self.pb2.CompareReply(
                 plans=[grpc_wire.plan_reply(self.pb2, r) for r in result.results],
                 errors=result.errors)
@@ -173,15 +180,15 @@ class PlannerServicer:
 
     async def Schedule(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
-            refuse_sequence_flood(request.request_json, self.svc.limits.max_sequences)
             check_json_depth(request.request_json, self.svc.limits.max_json_depth,
-                             "request_json")
+                             "request_json")  # first: names the nesting
+            refuse_sequence_flood(request.request_json, self.svc.limits.max_sequences)
             try:
                 data = json.loads(request.request_json or "{}")
             except ValueError as exc:
                 raise FieldError("request_json", f"request_json is not JSON: {exc}") from None
             text, ms = await self.svc.schedule(ScheduleRequestIn.model_validate(data),
-                                               _timeout(context))
+                                               _timeout(context), peer_host(context))
             return self.pb2.ScheduleReply(result_json=text.encode(), solve_ms=ms)
         return await self._call(context, "Schedule", "", run)
 
@@ -210,20 +217,29 @@ class PlannerServicer:
                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """Submit each batch as it arrives; answer in arrival order as each is solved.
 
-        At most PLANNER_MAX_STREAM_PENDING messages are unanswered at a time: beyond that
-        the server stops reading the stream, and HTTP/2 flow control holds the sender.
+        At most PLANNER_MAX_STREAM_PENDING messages of this stream, and
+        PLANNER_MAX_STREAMS_PENDING of all streams together, are unanswered at a time:
+        beyond that the server stops reading, and HTTP/2 flow control holds the sender.
         """
         m = self.svc.metrics
         limit = self.svc.settings.max_stream_pending
         pending: asyncio.Queue[Any] = asyncio.Queue(maxsize=limit)
+        slots = self.svc.stream_slots
+        held = 0
         client = peer_host(context)
         loop = asyncio.get_running_loop()
         start = loop.time()
         code = Code.OK
 
         async def read() -> None:
+            nonlocal held
             async for item in requests:
                 m.stream_messages.labels("in").inc()
+                if slots.locked():
+                    m.stream_waits.inc()
+                await slots.acquire()
+                held += 1
+                self.svc.streams_unanswered += 1
                 if isinstance(item, Malformed):
                     await pending.put(("malformed", item, None))
                     return
@@ -239,6 +255,12 @@ class PlannerServicer:
                 await pending.put(got)
             await pending.put(None)
 
+        def answered() -> None:
+            nonlocal held
+            held -= 1
+            self.svc.streams_unanswered -= 1
+            slots.release()
+
         reader = asyncio.create_task(read())
         try:
             while (got := await pending.get()) is not None:
@@ -252,6 +274,7 @@ class PlannerServicer:
                         m.stream_messages.labels("out").inc()
                         yield self.pb2.StreamPlan(job=item.job, batch=item.batch,
                                                   plan=grpc_wire.plan_reply(self.pb2, result))
+                        answered()
                         continue
                     except Exception as solve_exc:  # noqa: BLE001
                         exc = solve_exc
@@ -259,6 +282,7 @@ class PlannerServicer:
                 m.stream_messages.labels("out").inc()
                 yield self.pb2.StreamPlan(job=item.job, batch=item.batch,
                                           error_code=status.name, error=clamp(message))
+                answered()
             await reader
         except asyncio.CancelledError:
             code = Code.CANCELLED
@@ -270,6 +294,10 @@ class PlannerServicer:
             await context.abort(code, clamp(message))
         finally:
             reader.cancel()
+            for _ in range(held):  # messages read and never answered
+                self.svc.streams_unanswered -= 1
+                slots.release()
+            held = 0
             m.requests.labels("grpc", "StreamPlans", "", HTTP_EQUIVALENT.get(code.name, "500")
                               ).inc()
             m.request_seconds.labels("grpc", "StreamPlans").observe(loop.time() - start)
@@ -379,7 +407,7 @@ async def start_grpc(service: PlannerService, host: str, port: int) -> GrpcServe
                  ("grpc.so_reuseport", 0)])
     add_service(server, PlannerServicer(service, stubs.pb2), stubs.pb2, "Planner")
     add_service(server, global_jobs.GlobalBatchesServicer(service, stubs.pb2, status_of,
-                                                          HTTP_EQUIVALENT),
+                                                          HTTP_EQUIVALENT, peer_host),
                 stubs.pb2, "GlobalBatches")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

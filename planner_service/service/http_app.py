@@ -48,9 +48,28 @@ DeadlineHeader = Annotated[int | None, Header(alias="X-Planner-Deadline-Ms", ge=
 FallbackHeader = Annotated[str | None, Header(alias="X-Planner-Fallbacks")]
 
 
+MAX_DETAIL_CHARS = 500
+"""Error messages are cut to this many characters (they may quote the input): with the
+field and the first errors, an error body stays under 2 KB."""
+MAX_FIELD_CHARS = 128
+MAX_LISTED_ERRORS = 3
+
+
+def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marked with an ellipsis where cut."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def client_of(request: Request) -> str:
+    """The peer address of an HTTP request (the per-client bounds' key)."""
+    return request.client.host if request.client else ""
+
+
 def error(status: int, message: str, field: str | None = None,
           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"detail": message, "field": field}, status_code=status, headers=headers)
+    return JSONResponse({"detail": clip(message),
+                         "field": None if field is None else clip(field, MAX_FIELD_CHARS)},
+                        status_code=status, headers=headers)
 
 
 def plan_response(result: SolveResult, status: int = 200) -> Response:
@@ -101,14 +120,14 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
         body = await parse_body(request, PlanRequestIn, svc.limits.max_json_depth)
         request.state.strategy = body.strategy
         svc.report_fallbacks(fallbacks)
-        return plan_response(await svc.plan(body, _seconds(deadline_ms)))
+        return plan_response(await svc.plan(body, _seconds(deadline_ms), client_of(request)))
 
     @app.post("/v1/compare", response_model=CompareOut, responses=ERRORS, tags=["plans"],
               summary="Plan the same input with every strategy (or those listed)",
               openapi_extra=body_doc(CompareRequestIn))
     async def compare(request: Request, deadline_ms: DeadlineHeader = None) -> Response:
         body = await parse_body(request, CompareRequestIn, svc.limits.max_json_depth)
-        result = await svc.compare(body, _seconds(deadline_ms))
+        result = await svc.compare(body, _seconds(deadline_ms), client_of(request))
         # Splice the plans' canonical bytes in unchanged.
         entries = ",".join(
             f'{{"cached":{"true" if r.cached else "false"},"plan":{r.plan_json},'
@@ -121,9 +140,11 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
               summary="FCP: schedule a batch of sequences (501 until FCP is installed)",
               openapi_extra=body_doc(ScheduleRequestIn))
     async def schedule(request: Request, deadline_ms: DeadlineHeader = None) -> Response:
-        refuse_sequence_flood(await request.body(), svc.limits.max_sequences)
+        raw = await request.body()
+        check_json_depth(raw, svc.limits.max_json_depth)  # first: names the nesting
+        refuse_sequence_flood(raw, svc.limits.max_sequences)
         body = await parse_body(request, ScheduleRequestIn, svc.limits.max_json_depth)
-        text, ms = await svc.schedule(body, _seconds(deadline_ms))
+        text, ms = await svc.schedule(body, _seconds(deadline_ms), client_of(request))
         return Response(text, media_type=JSON, headers={"Server-Timing": f"solve;dur={ms:.3f}"})
 
     @app.get("/v1/strategies", response_model=list[StrategyOut], tags=["plans"])
@@ -139,8 +160,7 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
         body = await parse_body(request, PlanRequestIn, svc.limits.max_json_depth)
         request.state.strategy = body.strategy
         svc.report_fallbacks(fallbacks)
-        entry, created = svc.submit(job, batch, body,
-                                    client=request.client.host if request.client else "")
+        entry, created = svc.submit(job, batch, body, client=client_of(request))
         code = 200 if entry.status == "done" else 202
         return JSONResponse(job_status(entry), status_code=code)
 
@@ -167,12 +187,13 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["ops"], summary="Readiness: pool warm, not shutting down, and "
-             "not every solver process stuck past a deadline")
+    @app.get("/readyz", tags=["ops"], summary="Readiness: pool warm, not shutting down, not "
+             "every solver process stuck past a deadline, and the fast lane not backed up; "
+             "the body gives each lane's admitted and waiting solves")
     async def readyz() -> JSONResponse:
         if svc.is_ready:
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "not ready"}, status_code=503)
+            return JSONResponse({"status": "ready", "lanes": svc.lanes()})
+        return JSONResponse({"status": "not ready", "lanes": svc.lanes()}, status_code=503)
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
     async def metrics() -> Response:
@@ -241,10 +262,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
-        loc = ".".join(str(p) for p in first["loc"][1:]) or str(first["loc"][0])
-        body = {"detail": f"{loc}: {first['msg']}", "field": loc,
-                "errors": [{"field": ".".join(str(p) for p in e["loc"][1:]), "msg": e["msg"]}
-                           for e in errors[:20]]}
+        loc = clip(".".join(str(p) for p in first["loc"][1:]) or str(first["loc"][0]),
+                   MAX_FIELD_CHARS)
+        body = {"detail": clip(f"{loc}: {first['msg']}"), "field": loc,
+                "errors": [{"field": clip(".".join(str(p) for p in e["loc"][1:]),
+                                          MAX_FIELD_CHARS), "msg": clip(str(e["msg"]), 200)}
+                           for e in errors[:MAX_LISTED_ERRORS]]}
         return JSONResponse(body, status_code=422)
 
     @app.exception_handler(FieldError)

@@ -4,10 +4,11 @@ A job is a training run; a batch id names one packed sequence of it. Submitting 
 content again is idempotent (same entry, same plan); different content under a batch id
 already used is a :class:`Conflict`. Finished plans live ``ttl_s``; memory is bounded by
 the number of jobs (least recently used evicted), batches per job (oldest evicted) and the
-bytes of stored plans (oldest finished evicted). Each client (peer address) holds at most
-``max_jobs_per_client`` jobs: beyond it, and when the store is full, the job evicted is
-the least recently used one of the client holding the most, so one client flooding job
-ids evicts its own jobs, not another client's batches.
+bytes of stored plans. Each client (peer address) holds at most ``max_jobs_per_client``
+jobs and ``max_client_bytes`` plan bytes: beyond either bound that client's least recently
+used job (or its oldest finished batch) goes; and when the whole store is full, the job
+or batch evicted is one of the client holding the most (jobs or bytes). So one client
+flooding job ids or submitting huge batches evicts its own, never another client's.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class BatchEntry:
     finished_at: float | None = None
     size: int = ENTRY_OVERHEAD_BYTES
     evicted: bool = field(default=False)
+    client: str = ""
+    """The client (peer address) that owns its job."""
 
     @property
     def status(self) -> str:
@@ -76,7 +79,8 @@ class JobStore:
     def __init__(self, *, ttl_s: float, max_jobs: int, max_batches_per_job: int,
                  memory_bytes: int, deadline_s: float, metrics: ServiceMetrics,
                  clock: Callable[[], float] = time.monotonic,
-                 max_jobs_per_client: int | None = None) -> None:
+                 max_jobs_per_client: int | None = None,
+                 max_client_bytes: int | None = None, store: str = "plans") -> None:
         self.ttl_s = ttl_s
         self.max_jobs = max_jobs
         self.max_batches_per_job = max_batches_per_job
@@ -85,6 +89,13 @@ class JobStore:
         self.metrics = metrics
         self.clock = clock
         self.max_jobs_per_client = max_jobs_per_client or max_jobs
+        self.max_client_bytes = max_client_bytes or memory_bytes
+        self.store = store
+        """The ``store`` label of this store's metrics (plans or global)."""
+        self._client_bytes: dict[str, int] = {}
+        """client -> bytes of its finished batches."""
+        self._client_finished: dict[str, deque[BatchEntry]] = {}
+        """client -> its finished batches in finishing order (its eviction order)."""
         self._jobs: OrderedDict[str, OrderedDict[str, BatchEntry]] = OrderedDict()
         self._owner: dict[str, str] = {}
         """job -> the client that created it."""
@@ -131,12 +142,12 @@ class JobStore:
                 self._drop(existing, "resubmitted")  # a failed batch may be retried
                 batches = self._jobs.get(job)
         future = start()
-        entry = BatchEntry(job=job, batch=batch, key=key, future=future,
-                           deadline=self.clock() + self.deadline_s)
         if batches is None:
             batches = self._jobs[job] = OrderedDict()
             self._owner[job] = client
             self._by_client.setdefault(client, OrderedDict())[job] = None
+        entry = BatchEntry(job=job, batch=batch, key=key, future=future,
+                           deadline=self.clock() + self.deadline_s, client=self._owner[job])
         batches[batch] = entry
         self._num_batches += 1
         future.add_done_callback(lambda _: self._on_done(entry))
@@ -190,8 +201,23 @@ class JobStore:
                 pass
         return entry
 
+    def client_bytes(self, client: str) -> int:
+        """Bytes of ``client``'s finished batches."""
+        return self._client_bytes.get(client, 0)
+
+    def _evict_oldest_of(self, client: str, reason: str) -> bool:
+        """Evict ``client``'s oldest finished batch; False if it has none."""
+        queue = self._client_finished.get(client)
+        while queue:
+            entry = queue.popleft()
+            if not entry.evicted:
+                self._drop(entry, reason)
+                return True
+        return False
+
     def sweep(self) -> None:
-        """Drop finished batches past their TTL, then the oldest beyond the memory bound."""
+        """Drop finished batches past their TTL, then a client's oldest beyond its byte
+        bound, then the biggest client's oldest beyond the store's byte bound."""
         now = self.clock()
         while self._finished:
             oldest = self._finished[0]
@@ -201,10 +227,14 @@ class JobStore:
             self._finished.popleft()
             if not oldest.evicted:
                 self._drop(oldest, "ttl")
-        while self._bytes > self.memory_bytes and self._finished:
-            entry = self._finished.popleft()
-            if not entry.evicted:
-                self._drop(entry, "memory")
+        for client in [c for c, b in self._client_bytes.items() if b > self.max_client_bytes]:
+            while self.client_bytes(client) > self.max_client_bytes \
+                    and self._evict_oldest_of(client, "client_memory"):
+                pass
+        while self._bytes > self.memory_bytes and self._client_bytes:
+            biggest = max(self._client_bytes, key=self._client_bytes.__getitem__)
+            if not self._evict_oldest_of(biggest, "memory"):
+                break
         self._gauges()
 
     def _on_done(self, entry: BatchEntry) -> None:
@@ -214,7 +244,9 @@ class JobStore:
         if entry.status == "done":
             entry.size += len(entry.future.result().plan_json)
         self._bytes += entry.size
+        self._client_bytes[entry.client] = self.client_bytes(entry.client) + entry.size
         self._finished.append(entry)
+        self._client_finished.setdefault(entry.client, deque()).append(entry)
         self.sweep()
 
     def _drop(self, entry: BatchEntry, reason: str) -> None:
@@ -234,8 +266,15 @@ class JobStore:
                     del self._by_client[owner]
         if entry.finished_at is not None:
             self._bytes -= entry.size
-        self.metrics.job_evictions.labels(reason).inc()
+            left = self._client_bytes.get(entry.client, 0) - entry.size
+            if left > 0:
+                self._client_bytes[entry.client] = left
+            else:
+                self._client_bytes.pop(entry.client, None)
+                self._client_finished.pop(entry.client, None)
+        self.metrics.job_evictions.labels(self.store, reason).inc()
 
     def _gauges(self) -> None:
-        self.metrics.jobs.set(len(self._jobs))
-        self.metrics.job_batches.set(self._num_batches)
+        self.metrics.jobs.labels(self.store).set(len(self._jobs))
+        self.metrics.job_batches.labels(self.store).set(self._num_batches)
+        self.metrics.job_bytes.labels(self.store).set(self._bytes)

@@ -26,15 +26,27 @@ class ServiceMetrics:
             "planner_request_seconds", "Request latency as the server sees it",
             ("transport", "endpoint"), buckets=REQUEST_BUCKETS, registry=r)
         self.solve_seconds = Histogram(
-            "planner_solve_seconds", "Solver wall time (cache misses only)", ("strategy",),
-            buckets=SOLVE_BUCKETS, registry=r)
+            "planner_solve_seconds", "Solver wall time of every solve that started (cache "
+            "misses), by strategy and outcome (ok, refused, error, timeout, abandoned, died)",
+            ("strategy", "outcome"), buckets=SOLVE_BUCKETS, registry=r)
+        self.lane_depth = Gauge(
+            "planner_lane_depth", "Solves admitted and not finished, per lane (fast, slow)",
+            ("lane",), registry=r)
+        self.lane_waiting = Gauge(
+            "planner_lane_waiting", "Solves waiting for a solver process, per lane",
+            ("lane",), registry=r)
+        self.lane_age = Gauge(
+            "planner_lane_oldest_wait_seconds", "How long the oldest waiting solve of each "
+            "lane has waited", ("lane",), registry=r)
         self.queue_depth = Gauge(
             "planner_queue_depth", "Solves admitted and not finished (running + waiting)",
             registry=r)
         self.queue_capacity = Gauge(
             "planner_queue_capacity", "Admission bound: workers + PLANNER_QUEUE_SIZE", registry=r)
         self.rejected = Counter(
-            "planner_rejected", "Requests refused before solving", ("reason",), registry=r)
+            "planner_rejected", "Requests refused before solving: queue_full, client_slow "
+            "(PLANNER_MAX_SLOW_PER_CLIENT), cost (a plan bound above PLANNER_MAX_PLAN_BYTES "
+            "or PLANNER_MAX_SHARDS)", ("reason",), registry=r)
         self.cache_hits = Counter("planner_cache_hits", "Plans served from the cache", registry=r)
         self.cache_misses = Counter("planner_cache_misses", "Plans that needed a solve",
                                     registry=r)
@@ -56,10 +68,17 @@ class ServiceMetrics:
             "PLANNER_MAX_STREAM_PENDING messages were unanswered", registry=r)
         self.ready = Gauge("planner_ready", "1 while /readyz answers 200 (pool warm, not "
                            "draining), else 0", registry=r)
-        self.jobs = Gauge("planner_jobs", "Jobs in the job store", registry=r)
-        self.job_batches = Gauge("planner_job_batches", "Batches in the job store", registry=r)
-        self.job_evictions = Counter("planner_job_evictions", "Job batches evicted",
-                                     ("reason",), registry=r)
+        self.jobs = Gauge("planner_jobs", "Jobs in a job store (store: plans, global)",
+                          ("store",), registry=r)
+        self.job_batches = Gauge("planner_job_batches", "Batches in a job store", ("store",),
+                                 registry=r)
+        self.job_bytes = Gauge("planner_job_bytes", "Plan bytes of finished batches in a job "
+                               "store", ("store",), registry=r)
+        self.job_evictions = Counter("planner_job_evictions", "Job batches evicted, by store "
+                                     "and reason", ("store", "reason"), registry=r)
+        self.streams_pending = Gauge(
+            "planner_streams_pending", "Unanswered StreamPlans messages of all streams",
+            registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

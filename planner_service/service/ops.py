@@ -14,6 +14,15 @@ from typing import Any, NamedTuple
 from planner_service.core.errors import FieldError
 from planner_service.core.request import PlanRequest
 from planner_service.service import fcp_bridge
+from planner_service.service.cost_gate import (
+    FAST,
+    LANES,
+    SLOW,
+    Cost,
+    check_plan_bytes,
+    plan_bytes_bound,
+    request_cost,
+)
 from planner_service.service.executor import (
     DeadlineExceeded,
     Executor,
@@ -28,8 +37,10 @@ from planner_service.service.schemas import (
     Limits,
     PlanRequestIn,
     ScheduleRequestIn,
+    check_schedule,
     check_shards,
     request_key,
+    schedule_body,
     to_plan_request,
 )
 from planner_service.service.settings import Settings
@@ -68,17 +79,41 @@ class PlannerService:
             max_batches_per_job=settings.max_batches_per_job,
             memory_bytes=int(settings.job_memory_mb * 2**20),
             deadline_s=settings.request_timeout_s, metrics=self.metrics,
-            max_jobs_per_client=settings.max_jobs_per_client)
+            max_jobs_per_client=settings.max_jobs_per_client,
+            max_client_bytes=int(settings.max_client_job_mb * 2**20), store="plans")
+        self.stream_slots = asyncio.Semaphore(settings.max_streams_pending)
+        """Bounds the unanswered StreamPlans messages of all streams (grpc_server.py)."""
+        self.streams_unanswered = 0
         self.ready = False
         """Lifecycle: true once the pool is warm, false again as soon as shutdown starts."""
         self.metrics.ready.set_function(lambda: 1.0 if self.is_ready else 0.0)
         self.metrics.solver_kills.set_function(lambda: float(self.executor.kills))
+        self.metrics.streams_pending.set_function(lambda: float(self.streams_unanswered))
+        for lane in LANES:
+            self._lane_gauges(lane)
+
+    def _lane_gauges(self, lane: str) -> None:
+        """Bind the per-lane gauges of ``lane`` to the executor's figures."""
+        ex = self.executor
+        self.metrics.lane_depth.labels(lane).set_function(lambda: float(ex.lane_depth(lane)))
+        self.metrics.lane_waiting.labels(lane).set_function(
+            lambda: float(ex.lane_waiting(lane)))
+        self.metrics.lane_age.labels(lane).set_function(lambda: ex.lane_age_s(lane))
 
     @property
     def is_ready(self) -> bool:
-        """Readiness (/readyz, gRPC health): started, not draining, and at least one solver
-        process not stuck past a deadline (stuck ones are being replaced)."""
-        return self.ready and self.executor.healthy
+        """Readiness (/readyz, gRPC health): started, not draining, at least one solver
+        process not stuck past a deadline (stuck ones are being replaced), and no fast-lane
+        solve waiting longer than PLANNER_READY_MAX_QUEUE_AGE_S."""
+        return (self.ready and self.executor.healthy
+                and self.executor.lane_age_s(FAST) <= self.settings.ready_max_queue_age_s)
+
+    def lanes(self) -> dict[str, dict[str, float]]:
+        """Per lane: solves admitted, waiting, and the oldest one's wait (for /readyz)."""
+        ex = self.executor
+        return {lane: {"admitted": ex.lane_depth(lane), "capacity": ex.lane_capacity[lane],
+                       "waiting": ex.lane_waiting(lane),
+                       "oldest_wait_s": round(ex.lane_age_s(lane), 3)} for lane in LANES}
 
     async def start(self) -> None:
         await self.executor.start()
@@ -93,10 +128,24 @@ class PlannerService:
 
     def request(self, body: PlanRequestIn, strategy: str | None = None
                 ) -> tuple[PlanRequest, str]:
-        """Core request and its content hash; raises FieldError."""
-        request = self._with_profile(to_plan_request(body, self.limits, strategy=strategy))
-        checked_strategy(request)
+        """Core request and its content hash, priced (service/cost_gate.py); raises
+        FieldError."""
+        try:
+            request = self._with_profile(to_plan_request(body, self.limits, strategy=strategy))
+            checked_strategy(request)
+            self.check_cost(request)
+        except FieldError as exc:
+            if "PLANNER_MAX_PLAN_BYTES" in str(exc) or "PLANNER_MAX_SHARDS" in str(exc):
+                self.metrics.rejected.labels("cost").inc()
+            raise
         return request, request_key(request)
+
+    def check_cost(self, request: PlanRequest) -> None:
+        """Refuse a request whose plan would exceed PLANNER_MAX_PLAN_BYTES, before any
+        solve (cost_gate.py); raises FieldError (``cp_size``)."""
+        cost = request_cost(request.strategy, request.doc_lengths, request.cp_size,
+                            self.settings.fast_lane_max_work)
+        check_plan_bytes(cost, self.settings.max_plan_bytes)
 
     def _with_profile(self, request: PlanRequest) -> PlanRequest:
         """``options.profile`` resolved to a built-in name or a profile by value."""
@@ -106,13 +155,14 @@ class PlannerService:
         options["profile"] = self.profiles.resolve(options["profile"], "options.profile")
         return replace(request, options=options)
 
-    async def plan(self, body: PlanRequestIn, timeout_s: float | None = None) -> SolveResult:
+    async def plan(self, body: PlanRequestIn, timeout_s: float | None = None,
+                   client: str = "") -> SolveResult:
         """Solve one request; raises FieldError, Overloaded, DeadlineExceeded, PlanError."""
         request, key = self.request(body)
-        return await self.executor.solve(request, key, timeout_s)
+        return await self.executor.solve(request, key, timeout_s, client)
 
-    async def compare(self, body: CompareRequestIn, timeout_s: float | None = None
-                      ) -> StrategyComparison:
+    async def compare(self, body: CompareRequestIn, timeout_s: float | None = None,
+                      client: str = "") -> StrategyComparison:
         """Plan the same input with several strategies concurrently.
 
         Each strategy gets the options it declares (registry.compared_options); an option
@@ -124,19 +174,28 @@ class PlannerService:
         base = self._with_profile(to_plan_request(body, self.limits, strategy=names[0]))
         deadline = self.executor.timeout_for(timeout_s, base)
         submitted: list[tuple[str, asyncio.Future[SolveResult]]] = []
+        refused: dict[str, str] = {}
         try:
             for name, options in compared_options(names, base.options).items():
                 request = replace(base, strategy=name, options=options)
+                try:
+                    self.check_cost(request)
+                except FieldError as exc:  # this strategy's plan would be too large
+                    self.metrics.rejected.labels("cost").inc()
+                    refused[name] = str(exc)
+                    continue
                 key = request_key(request)
-                submitted.append((key, self.executor.submit(request, key, deadline)))
+                submitted.append((key, self.executor.submit(request, key, deadline, client)))
             outcomes = await asyncio.gather(
                 *(asyncio.wait_for(asyncio.shield(f), deadline) for _, f in submitted),
                 return_exceptions=True)
         finally:  # every solve this call started stops with it (deadline or cancel)
             for key, future in submitted:
                 self.executor.release(key, future)
-        results, errors = [], {}
-        for name, outcome in zip(names, outcomes, strict=True):
+        results: list[SolveResult] = []
+        errors = dict(refused)
+        solved = [name for name in names if name not in refused]
+        for name, outcome in zip(solved, outcomes, strict=True):
             if isinstance(outcome, SolveResult):
                 results.append(outcome)
             elif isinstance(outcome, (TimeoutError, DeadlineExceeded)):
@@ -147,12 +206,12 @@ class PlannerService:
                 raise outcome
         return StrategyComparison(results, errors)
 
-    async def schedule(self, body: ScheduleRequestIn, timeout_s: float | None = None
-                       ) -> tuple[str, float]:
+    async def schedule(self, body: ScheduleRequestIn, timeout_s: float | None = None,
+                       client: str = "") -> tuple[str, float]:
         """FCP scheduling of a batch of sequences; returns (result JSON, solve ms)."""
         payload = self.schedule_payload(body)
         return await self.executor.call(fcp_bridge.schedule_in_worker, payload,
-                                        timeout_s=timeout_s)
+                                        timeout_s=timeout_s, client=client)
 
     def schedule_payload(self, body: ScheduleRequestIn) -> dict[str, Any]:
         """The scheduler's input for a /v1/schedule body within this service's limits;
@@ -172,22 +231,35 @@ class PlannerService:
         if body.num_ranks > self.limits.max_cp_size:
             raise FieldError("num_ranks", f"num_ranks must be in [1, {self.limits.max_cp_size}] "
                              f"(PLANNER_MAX_CP_SIZE), got {body.num_ranks}")
-        check_shards(sum(len(seq) for seq in body.sequences), body.num_ranks, self.limits,
-                     "num_ranks")
-        payload = body.model_dump()
+        try:
+            check_shards(sum(len(seq) for seq in body.sequences), body.num_ranks,
+                         self.limits, "num_ranks")
+            strategy = body.strategy if isinstance(body.strategy, str) else "flashcp"
+            bounds = [plan_bytes_bound(strategy, seq, body.num_ranks) for seq in body.sequences]
+            if all(b is not None for b in bounds):
+                total = sum(b for b in bounds if b is not None)
+                check_plan_bytes(Cost(SLOW, 0, total), self.settings.max_plan_bytes,
+                                 "num_ranks")
+        except FieldError:
+            self.metrics.rejected.labels("cost").inc()
+            raise
+        payload = schedule_body(body)
         if "profile" in payload:
             payload["profile"] = self.profiles.resolve(payload["profile"], "profile")
+        check_schedule(payload)
         return payload
 
     # ---- jobs -------------------------------------------------------------------------
 
     def submit(self, job: str, batch: str, body: PlanRequestIn, client: str = ""
                ) -> tuple[BatchEntry, bool]:
-        """Start planning a batch for ``client`` (its peer address: the per-client bound of
-        the job store); returns (entry, created). Raises FieldError, Conflict, Overloaded."""
+        """Start planning a batch for ``client`` (its peer address: the per-client bounds
+        of the job store and the slow lane); returns (entry, created). Raises FieldError,
+        Conflict, Overloaded."""
         request, key = self.request(body)
-        return self.jobs.submit(job, batch, key, lambda: self.executor.submit(request, key),
-                                client=client)
+        return self.jobs.submit(
+            job, batch, key, lambda: self.executor.submit(request, key, client=client),
+            client=client)
 
     async def fetch(self, job: str, batch: str, wait_ms: int) -> BatchEntry:
         """Long-poll a batch up to ``wait_ms`` (capped at PLANNER_MAX_WAIT_MS)."""

@@ -12,6 +12,11 @@ away), has its worker process killed and replaced unless it finishes within KILL
 a solver cannot be interrupted safely from outside, but a process can, so no request holds
 a worker more than a quarter second past its deadline.
 
+Two lanes (service/cost_gate.py): ``reserved`` workers take only fast-lane tasks, the
+others take fast-lane tasks first and then slow-lane tasks round-robin over the clients
+that submitted them, so a cheap plan never waits behind a slow solve and one client's
+slow requests cannot keep another's waiting.
+
 Workers come from a forkserver (spawn off Linux), never a fork of the threaded server.
 A worker that dies fails its task with :class:`WorkerDied` and is replaced.
 """
@@ -30,6 +35,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from planner_service.core.errors import FieldError
+from planner_service.service.lanes import SLOW, Lanes
+
 log = logging.getLogger("planner_service.service")
 
 KILL_AFTER_S = 0.25
@@ -44,6 +52,9 @@ PRELOAD = ("planner_service.service.executor", "planner_service.solvers.ilp",
 warm (milliseconds, not the seconds of importing pydantic and OR-Tools afresh)."""
 STUCK_AFTER_S = 1.0
 """A worker still busy this long after its task's deadline counts as stuck (readiness)."""
+Observer = Callable[[str, float, str], None]
+"""Called once per task that started: (label, seconds it ran, outcome), the outcome one of
+ok, refused (a FieldError), error, timeout, abandoned, died."""
 
 
 class WorkerDied(RuntimeError):
@@ -81,9 +92,19 @@ def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="planner-parent-watch", daemon=True).start()
 
 
-def worker_main(conn: Connection, parent_pid: int) -> None:
+SLOW_NICE = 10
+"""Niceness of the unreserved solver processes (they run the slow lane): the OS gives
+the reserved fast-lane process and the event loop the CPU first when cores are short."""
+
+
+def worker_main(conn: Connection, parent_pid: int, nice: int = 0) -> None:
     """Loop: receive (task id, fn, args), answer (task id, ok, result or exception)."""
     watch_parent(parent_pid)
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:  # not permitted here: same priority as the server
+            pass
     # Requests never name server files: profiles come by value or by operator-given name.
     from planner_service.fcp.cost_model import forbid_profile_files
 
@@ -114,6 +135,14 @@ class _Task:
     args: tuple
     deadline: float
     """Loop time after which the task is dropped (waiting) or its worker killed (running)."""
+    lane: str = SLOW
+    client: str = ""
+    label: str = ""
+    queued: float = 0.0
+    """Loop time of its submission."""
+    started: float | None = None
+    """Loop time it was sent to a worker."""
+    observed: bool = False
     timer: asyncio.TimerHandle | None = None
     worker: _Worker | None = None
 
@@ -122,6 +151,8 @@ class _Task:
 class _Worker:
     process: multiprocessing.process.BaseProcess
     conn: Connection
+    reserved: bool = False
+    """Takes fast-lane tasks only."""
     task: _Task | None = None
     killed: bool = False
     gone: bool = field(default=False)
@@ -134,13 +165,17 @@ class WorkerPool:
     future to abandon it (its worker is killed if it already runs).
     """
 
-    def __init__(self, workers: int) -> None:
-        assert workers >= 1
-        self.size = workers
+    def __init__(self, workers: int, reserved: int = 0,
+                 observer: Observer | None = None) -> None:
+        assert workers >= 1 and reserved >= 0
+        self.size = workers + reserved
+        self.reserved = reserved
+        self.observer = observer
         self._ctx = pool_context()
         self._workers: list[_Worker] = []
         self._idle: deque[_Worker] = deque()
-        self._waiting: deque[_Task] = deque()
+        self._queue = Lanes()
+        """Tasks not yet sent to a worker."""
         self._tasks: dict[asyncio.Future[Any], _Task] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -150,17 +185,18 @@ class WorkerPool:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        for _ in range(self.size):
-            self._spawn()
+        for i in range(self.size):
+            self._spawn(reserved=i < self.reserved)
 
-    def _spawn(self) -> None:
+    def _spawn(self, reserved: bool = False) -> None:
         assert self._loop is not None
         ours, theirs = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=worker_main, args=(theirs, os.getpid()),
+        nice = 0 if reserved or not self.reserved else SLOW_NICE
+        process = self._ctx.Process(target=worker_main, args=(theirs, os.getpid(), nice),
                                     name="planner-solver", daemon=True)
         process.start()
         theirs.close()
-        worker = _Worker(process, ours)
+        worker = _Worker(process, ours, reserved=reserved)
         self._workers.append(worker)
         self._loop.add_reader(ours.fileno(), self._on_readable, worker)
         self._idle.append(worker)
@@ -168,21 +204,42 @@ class WorkerPool:
 
     # ---- tasks ------------------------------------------------------------------------
 
-    def submit(self, fn: Callable[..., Any], *args: Any, timeout_s: float
-               ) -> asyncio.Future[Any]:
+    def submit(self, fn: Callable[..., Any], *args: Any, timeout_s: float,
+               lane: str = SLOW, client: str = "", label: str = "") -> asyncio.Future[Any]:
         """Run ``fn(*args)`` in a worker (both must pickle) for at most ``timeout_s`` from
-        now, queueing included; the future then fails with TaskExpired. Raises
-        RuntimeError if the pool is closed."""
+        now, queueing included; the future then fails with TaskExpired. ``lane``: fast or
+        slow; ``client`` orders the slow lane (round-robin); ``label`` is passed to the
+        observer. Raises RuntimeError if the pool is closed."""
         if self._closing or self._loop is None:
             raise RuntimeError("the solver pool is not running")
         future: asyncio.Future[Any] = self._loop.create_future()
-        task = _Task(next(self._ids), future, fn, args, self._loop.time() + timeout_s)
+        now = self._loop.time()
+        task = _Task(next(self._ids), future, fn, args, now + timeout_s, lane=lane,
+                     client=client, label=label, queued=now)
         task.timer = self._loop.call_at(task.deadline, self._expire, task)
         self._tasks[future] = task
         future.add_done_callback(self._on_future_done)
-        self._waiting.append(task)
+        self._queue.add(task)
         self._dispatch()
         return future
+
+    def _observe(self, task: _Task, outcome: str) -> None:
+        """Report a started task's run time and outcome to the observer, once."""
+        if task.observed or task.started is None or self._loop is None:
+            return
+        task.observed = True
+        if self.observer is not None:
+            self.observer(task.label, self._loop.time() - task.started, outcome)
+
+    def waiting(self, lane: str) -> int:
+        """Live tasks of ``lane`` not yet sent to a worker."""
+        return self._queue.waiting(lane)
+
+    def oldest_wait_s(self, lane: str) -> float:
+        """How long the oldest waiting task of ``lane`` has waited (0 if none)."""
+        assert self._loop is not None
+        queued = self._queue.oldest_queued(lane)
+        return 0.0 if queued is None else self._loop.time() - queued
 
     def extend(self, future: asyncio.Future[Any], timeout_s: float) -> None:
         """Let a task run until ``timeout_s`` from now if that is later than its deadline
@@ -214,6 +271,7 @@ class WorkerPool:
             task.timer.cancel()
         worker = task.worker
         if worker is not None and worker.task is task and not self._closing:
+            self._observe(task, "abandoned" if future.cancelled() else "timeout")
             why = ("its solve passed its deadline" if not future.cancelled()
                    else "every caller of its solve went away")
             assert self._loop is not None
@@ -248,18 +306,22 @@ class WorkerPool:
         self._on_death(worker)
 
     def _dispatch(self) -> None:
-        while self._idle and self._waiting:
-            task = self._waiting.popleft()
-            if task.future.done():
+        assert self._loop is not None
+        # Reserved workers first, so a fast task leaves the others free for slow ones.
+        for worker in sorted(self._idle, key=lambda w: not w.reserved):
+            task: _Task | None = self._queue.take(worker.reserved)
+            if task is None:
                 continue
-            worker = self._idle.popleft()
+            self._idle.remove(worker)
             worker.task = task
             task.worker = worker
+            task.started = self._loop.time()
             try:
                 worker.conn.send((task.id, task.fn, task.args))
             except Exception as exc:  # noqa: BLE001 - pickling error or a dead worker
                 worker.task = None
                 task.worker = None
+                task.started = None
                 if not task.future.done():
                     task.future.set_exception(
                         exc if not isinstance(exc, OSError)
@@ -280,6 +342,8 @@ class WorkerPool:
         self._idle.append(worker)
         if task is not None and task.id == task_id and not task.future.done():
             task.worker = None
+            self._observe(task, "ok" if ok else "refused" if isinstance(value, FieldError)
+                          else "error")
             if ok:
                 task.future.set_result(value)
             else:
@@ -300,13 +364,14 @@ class WorkerPool:
         task = worker.task
         worker.task = None
         if task is not None and not task.future.done():
+            self._observe(task, "died")
             task.future.set_exception(WorkerDied(
                 f"the solver process exited (code {code}) while planning this request"))
         if not self._closing:
             if not worker.killed:
                 log.error("solver process %s exited (code %s); starting another",
                           worker.process.pid, code)
-            self._spawn()
+            self._spawn(worker.reserved)
 
     # ---- health and shutdown ----------------------------------------------------------
 
@@ -334,7 +399,7 @@ class WorkerPool:
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting) or any(w.task is not None for w in self._workers)
+        return bool(self._queue.tasks()) or any(w.task is not None for w in self._workers)
 
     async def close(self, deadline: float) -> None:
         """Let running and waiting tasks finish until loop time ``deadline``, then stop the
@@ -343,11 +408,11 @@ class WorkerPool:
         while self.busy and self._loop.time() < deadline:
             await asyncio.sleep(0.01)
         self._closing = True
-        for task in list(self._waiting):
+        for task in self._queue.tasks():
             if not task.future.done():
                 task.future.set_exception(WorkerDied("the service stopped before this solve "
                                                      "ran"))
-        self._waiting.clear()
+        self._queue.clear()
         for worker in list(self._workers):
             self._loop.remove_reader(worker.conn.fileno())
             if worker.task is None and not worker.killed:

@@ -150,10 +150,10 @@ class CompareRequestIn(PlanRequestIn):
 
 
 class ScheduleRequestIn(BaseModel):
-    """A batch of sequences for FCP (planner_service.fcp.ScheduleRequest); fields beyond
-    these (strategy, profile, micro_batches, model, ...) go to the scheduler as given."""
+    """A batch of sequences for FCP (solvers.fcp_schedule.ScheduleRequest, whose fields
+    these are); unset fields take the scheduler's defaults, unknown fields are refused."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"sequences": [[30000, 2000], [512, 700, 9000], [65536]], "num_ranks": 8,
          "memory_tokens": 16384}]})
     sequences: list[list[DocLength]] = Field(min_length=1, description="Doc lengths of each "
@@ -161,6 +161,53 @@ class ScheduleRequestIn(BaseModel):
     num_ranks: StrictInt = Field(ge=1, le=MAX_FCP_RANKS, description="Model replicas N")
     memory_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS, description="Activation memory per "
                                      "rank, in tokens")
+    strategy: StrictStr | None = Field(None, max_length=64, description="Intra-group "
+                                       "strategy (default flashcp)")
+    profile: StrictStr | dict[str, Any] | None = Field(
+        None, description="FCP cost profile: a name (GET /v1/strategies) or a profile object")
+    full_attention: list[StrictBool] | None = None
+    search: StrictStr | None = Field(None, max_length=64)
+    method: StrictStr | None = Field(None, max_length=64)
+    micro_batches: StrictInt | None = Field(None, ge=1, le=1_000_000)
+    build_plans: StrictBool | None = None
+    model: ModelSpecIn | None = None
+    kernel: StrictStr | None = Field(None, max_length=64)
+    link: StrictStr | None = Field(None, max_length=64)
+    imbalance_target: float | None = Field(None, ge=1.0, le=100.0, allow_inf_nan=False)
+
+
+def schedule_body(body: ScheduleRequestIn) -> dict[str, Any]:
+    """The scheduler's input: the fields the caller set (so unset ones take the
+    scheduler's defaults and the content hash of a body does not depend on them)."""
+    return body.model_dump(exclude_unset=True, exclude_none=True)
+
+
+def check_finite(value: Any, field: str = "body") -> None:
+    """Refuse NaN, Infinity and floats beyond 1e300 anywhere in JSON-like data, naming
+    the field (a profile object's coefficients, strategy options); raises FieldError."""
+    if isinstance(value, float):
+        if not math.isfinite(value) or abs(value) > 1e300:
+            raise FieldError(field, f"{field} must be a finite number, got {value!r}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_finite(item, f"{field}.{str(key)[:64]}" if field != "body" else str(key)[:64])
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_finite(item, f"{field}.{i}")
+
+
+def check_schedule(payload: dict[str, Any]) -> None:
+    """Build the scheduler's request from ``payload`` (no scheduling: checks only), so a
+    bad value is refused at submit, not when a worker runs it; raises FieldError."""
+    from planner_service.service.fcp_bridge import build_request
+
+    check_finite(payload)
+    try:
+        build_request(payload)
+    except FieldError:
+        raise
+    except (TypeError, ValueError, KeyError) as exc:
+        raise FieldError("body", f"body: {str(exc)[:200]}") from None
 
 
 class Shard(BaseModel):
@@ -253,6 +300,7 @@ def to_plan_request(body: PlanRequestIn, limits: Limits, *, strategy: str | None
         raise FieldError("cp_size", f"cp_size must be in [1, {limits.max_cp_size}] "
                          f"(PLANNER_MAX_CP_SIZE), got {body.cp_size}")
     check_shards(n, body.cp_size, limits, "cp_size")
+    check_finite(body.options, "options")
     if "time_limit_s" in body.options:  # a strategy's own limit, within the operator's
         check_time_limit(body.options["time_limit_s"], "options.time_limit_s",
                          limits.max_time_limit_s, "PLANNER_MAX_TIME_LIMIT_S")

@@ -38,10 +38,25 @@ class Settings(BaseSettings):
     """Solver processes; 0 solves in one thread of the server process (tests, debugging)."""
     queue_size: int = Field(64, ge=0, le=100_000)
     """Solves that may wait beyond one per worker; more answer 429 / RESOURCE_EXHAUSTED."""
+    fast_workers: int = Field(1, ge=0, le=64)
+    """Solver processes reserved for the fast lane (cheap strategies within
+    PLANNER_FAST_LANE_MAX_WORK), on top of ``workers``: a cheap plan never waits behind a
+    slow solve. 0: no reservation (every solve shares ``workers``)."""
+    fast_lane_max_work: int = Field(65_536, ge=1, le=2**40)
+    """Documents x ranks up to which a heuristic strategy (baselines, flashcp, auto) runs
+    in the fast lane; larger requests, ilp, fcp and FCP schedules run in the slow lane."""
+    slow_queue_size: int = Field(8, ge=0, le=100_000)
+    """Slow-lane solves that may wait beyond one per (unreserved) worker; more answer 429."""
+    max_slow_per_client: int = Field(4, ge=1, le=100_000)
+    """Slow-lane solves one client (peer address) may have admitted at once (a
+    /v1/compare of every strategy takes up to 3); more answer 429 for that client only.
+    Waiting slow solves start round-robin over clients."""
+    ready_max_queue_age_s: float = Field(5.0, gt=0, le=3600)
+    """/readyz answers 503 while a fast-lane solve has waited longer than this."""
     request_timeout_s: float = Field(60.0, gt=0, le=3600)
     """Deadline of one solve, queueing included, unless the caller asks for less (and at
-    least 2 x options.time_limit_s + 5 s for a request that sets one). Heuristics answer
-    in milliseconds; the ILP's default 10 s budget can take ~20 s of wall time."""
+    least options.time_limit_s + 5 s for a request that sets one). Heuristics answer
+    in milliseconds; the ILP ends within its time_limit_s (default 10 s) plus about 1 s."""
     max_docs: int = Field(65_536, ge=1, le=10_000_000)
     """Documents per request (per sequence for /v1/schedule)."""
     max_cp_size: int = Field(1024, ge=1, le=MAX_FCP_RANKS)
@@ -81,7 +96,16 @@ class Settings(BaseSettings):
     """Bound on 2 x documents x cp_size of one request (the most shards any strategy may
     make: per_doc splits every document in 2 x cp_size chunks); refused up front above it."""
     max_plan_bytes: int = Field(64 * 2**20, ge=1024, le=2**34)
-    """A plan whose JSON is larger than this is refused (422) instead of sent."""
+    """A plan whose JSON is larger than this is refused (422): before its solve where the
+    strategy's plan size follows from the request (per_doc, zigzag, llama3, ring;
+    service/cost_gate.py), else after it."""
+    max_client_job_mb: float = Field(64.0, gt=0, le=1_000_000)
+    """Plan bytes one client's finished batches may hold in a job store (each store:
+    single plans and global batches); beyond it that client's oldest batches are evicted,
+    never another client's."""
+    max_streams_pending: int = Field(256, ge=1, le=10_000_000)
+    """Unanswered messages of all StreamPlans calls together; a stream stops being read
+    while the total is at this bound."""
     max_jobs_per_client: int = Field(64, ge=1, le=1_000_000)
     """Jobs one client (one peer address) may hold at once; beyond it that client's least
     recently used job is evicted, never another client's."""

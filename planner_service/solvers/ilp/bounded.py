@@ -7,7 +7,7 @@ In order, the first that holds the bound:
    rank's KV peak (its tokens plus the KV it receives, a linear expression of the model)
    at most the bound, the same objective and caps (R for ``comm``), hinted with the first
    of flashcp's candidates (``flashcp_bounded``) that holds both the bound and the
-   workload cap, whose cuts the blocks then include; it gets its own ``time_limit_s``.
+   workload cap, whose cuts the blocks then include; it gets the rest of ``time_limit_s``.
    Under ``p2p_ring`` the peak does not depend on the placement, and below
    ``kv_floor`` no placement holds the bound: there is no such step then;
 3. the first of flashcp's candidates within the bound, with status ``FALLBACK`` (R may
@@ -17,11 +17,13 @@ Otherwise ``KvBoundError`` names the least peak of step 1's plan and flashcp's
 candidates: the ILP meets every bound from that figure on. It may meet a smaller one
 where step 2 finds a placement in its time limit, which a refusal says it did not.
 Cost: step 1's solve; then the flashcp candidates (``flashcp_bounded``) and at most one
-more CP-SAT solve of ``time_limit_s`` deterministic seconds.
+more CP-SAT solve; the two solves share ``time_limit_s`` (half each, the second to the
+whole limit's deadline).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -75,8 +77,12 @@ def bounded_ilp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layo
     if request.max_kv_tokens_per_rank is None:
         return ilp_layout(doc_lengths, request)
     options = parse_options(request.options, doc_lengths, request.cp_size)
-    unbounded = solve_blocks(doc_lengths, request.cp_size, request.imbalance_target, options)
-    held = hold_bound(doc_lengths, request, options, unbounded)
+    # Both solves share the request's time limit: the first gets half, the second what
+    # is left of the whole limit's deadline.
+    deadline = time.monotonic() + cpsat.search_wall_s(options.time_limit_s, TUNING)
+    half = options._replace(time_limit_s=options.time_limit_s / 2)
+    unbounded = solve_blocks(doc_lengths, request.cp_size, request.imbalance_target, half)
+    held = hold_bound(doc_lengths, request, half, unbounded, deadline)
     layout = result_layout(doc_lengths, request, options, held.result)
     return Layout(layout.groups, {**layout.info, "kv_candidate": held.candidate})
 
@@ -88,7 +94,7 @@ class Tried(NamedTuple):
 
 
 def hold_bound(doc_lengths: Sequence[int], request: PlanRequest, options: IlpOptions,
-               unbounded: IlpResult) -> Bounded:
+               unbounded: IlpResult, deadline: float) -> Bounded:
     """Steps 1 to 3 of the module docstring for ``request.max_kv_tokens_per_rank``.
 
     Raises ``KvBoundError`` if no step holds the bound."""
@@ -111,7 +117,7 @@ def hold_bound(doc_lengths: Sequence[int], request: PlanRequest, options: IlpOpt
         how += SEARCHED
         hint = next((t for t in within if cap is None or max(rank_workloads(t.shards)) <= cap),
                     None)
-        found = _solve(doc_lengths, n, options, bound, cap, unbounded, hint)
+        found = _solve(doc_lengths, n, options, bound, cap, unbounded, hint, deadline)
         if found is not None:
             return Bounded(found, "ilp bounded")
     if within:
@@ -126,7 +132,8 @@ def hold_bound(doc_lengths: Sequence[int], request: PlanRequest, options: IlpOpt
 
 
 def _solve(doc_lengths: Sequence[int], n: int, options: IlpOptions, bound: int,
-           cap: int | None, unbounded: IlpResult, hint: Tried | None) -> IlpResult | None:
+           cap: int | None, unbounded: IlpResult, hint: Tried | None,
+           deadline: float) -> IlpResult | None:
     """Step 2 (module docstring): the block model with every rank's KV peak at most
     ``bound``; None if CP-SAT finds no placement. Without a ``hint``, the first half of
     the limit asks for a placement within the bound: the model without it, minimising how
@@ -139,8 +146,8 @@ def _solve(doc_lengths: Sequence[int], n: int, options: IlpOptions, bound: int,
     blocks = cut_blocks(doc_lengths, options.granularity, cuts,
                         head_docs=head_docs(doc_lengths, cuts, options.head_docs))
     token_cap = -(-sum(doc_lengths) // n)
-    limit = options.time_limit_s
-    cp = Cp.start(options.workers, limit, TUNING)
+    limit = cpsat.budget_s(options.time_limit_s, TUNING)
+    cp = Cp(options.workers, deadline, TUNING)
     comm = options.objective == "comm"
     start = None if hint is None else canonical_ranks(
         blocks, place_blocks(blocks, hint.shards), n)

@@ -1,12 +1,11 @@
-"""How the ILP runs CP-SAT: a deterministic configuration under a wall-clock guard.
+"""How the ILP runs CP-SAT: a deterministic configuration under a wall-clock deadline.
 
 Deterministic: one worker searches sequentially; several workers use CP-SAT's interleaved
 search; either way the limit is CP-SAT's deterministic time, so the same model gives the
-same answer. The wall-clock guard (``Tuning.wall_guard``) stops a call on an overloaded
-machine twice over: each call stops at the guard of its own limit, and no call runs past
-the guard of the whole solve's limit (``Cp.deadline``, from its start; so a solve of many
-short calls, each within its own guard, still ends in bounded time). A call cut short by
-it is reported as not deterministic.
+same answer on a quiet or a busy machine. The wall clock is only a safety bound: no call
+runs past the whole solve's deadline (``Cp.deadline``: ``time_limit_s`` less
+``Tuning.wall_margin_s`` from its start), and a call it cuts short is reported as not
+deterministic.
 """
 
 from __future__ import annotations
@@ -36,14 +35,20 @@ class Cp(NamedTuple):
     tuning: Tuning
 
     @classmethod
-    def start(cls, workers: int, limit_s: float, tuning: Tuning) -> Cp:
-        """The configuration of a solve of ``limit_s`` deterministic seconds starting now."""
-        return cls(workers, time.monotonic() + guard_s(limit_s, tuning), tuning)
+    def start(cls, workers: int, wall_s: float, tuning: Tuning) -> Cp:
+        """The configuration of a solve of ``wall_s`` wall seconds (``time_limit_s``)
+        starting now."""
+        return cls(workers, time.monotonic() + search_wall_s(wall_s, tuning), tuning)
 
 
-def guard_s(limit_s: float, tuning: Tuning) -> float:
-    """The wall-clock guard of ``limit_s`` deterministic seconds."""
-    return tuning.wall_guard * limit_s + tuning.wall_guard_base_s
+def search_wall_s(wall_s: float, tuning: Tuning) -> float:
+    """The search's share of a solve of ``wall_s`` wall seconds (module docstring)."""
+    return wall_s - min(tuning.wall_margin_s, wall_s / 4)
+
+
+def budget_s(wall_s: float, tuning: Tuning) -> float:
+    """The deterministic budget of a solve of ``wall_s`` wall seconds (``time_limit_s``)."""
+    return wall_s * tuning.dtime_per_s
 
 
 class Solve(NamedTuple):
@@ -63,8 +68,7 @@ def solver_for(limit_s: float, cp: Cp) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.max_deterministic_time = limit_s
-    p.max_time_in_seconds = max(0.0, min(guard_s(limit_s, cp.tuning),
-                                         cp.deadline - time.monotonic()))
+    p.max_time_in_seconds = max(0.0, cp.deadline - time.monotonic())
     p.random_seed = 0
     p.num_workers = cp.workers
     if cp.workers > 1:
@@ -82,6 +86,7 @@ def run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, cp: Cp) 
     # a v fastest (and interleaving every subsolver with a hint trips a CP-SAT check).
     solver, status, dtime, deterministic = solve_model(
         bm.model, limit_s, cp if target is not None else cp._replace(workers=1))
+    dtime += build_charge(bm.x, cp.tuning)
     if status not in ("OPTIMAL", "FEASIBLE"):
         bound = int(math.ceil(solver.BestObjectiveBound())) if status == "UNKNOWN" else 0
         return Solve(status, None, 0, max(bound, 0), dtime, deterministic)
@@ -91,6 +96,12 @@ def run(bm: BlockModel, target: cp_model.IntVar | None, limit_s: float, cp: Cp) 
     value = int(round(solver.ObjectiveValue()))
     bound = int(math.ceil(solver.BestObjectiveBound() - 1e-6))
     return Solve(status, ranks, value, min(bound, value), dtime, deterministic)
+
+
+def build_charge(rows: Sequence[Sequence[object]], tuning: Tuning) -> float:
+    """The deterministic seconds charged for building a model of these placement rows
+    (``Tuning.build_charge``)."""
+    return tuning.build_charge * sum(len(row) for row in rows)
 
 
 def chosen(solver: cp_model.CpSolver, rows: Sequence[Sequence[cp_model.IntVar]]) -> list[int]:

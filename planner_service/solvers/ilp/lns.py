@@ -18,6 +18,8 @@ never makes the placement worse whatever the step model returns.
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -164,10 +166,12 @@ def groups_of(critical: int, order: Sequence[int], num_ranks: int) -> list[tuple
 
 def descend(blocks: Blocks, ranks: list[int], num_ranks: int, *, token_cap: int, work_cap: int,
             budget: float, step_limit: float,
-            solve: Callable[[GroupModel, float], Step]) -> tuple[list[int], float, bool]:
-    """Group steps from ``ranks`` until no group of the rank receiving most improves or
-    ``budget`` deterministic seconds are spent. Returns the placement, the time spent and
-    whether every step ended on its deterministic limit."""
+            solve: Callable[[GroupModel, float], Step],
+            deadline: float = math.inf) -> tuple[list[int], float, bool]:
+    """Group steps from ``ranks`` until no group of the rank receiving most improves,
+    ``budget`` deterministic seconds are spent or the wall clock passes ``deadline``
+    (``time.monotonic()``). Returns the placement, the time spent and whether every step
+    ended on its deterministic limit (False if the deadline stopped the descent)."""
 
     def key(placement: Sequence[int]) -> tuple[int, int]:
         recv = placement_values(blocks, placement, num_ranks)[2]
@@ -179,6 +183,8 @@ def descend(blocks: Blocks, ranks: list[int], num_ranks: int, *, token_cap: int,
         order = sorted(range(num_ranks), key=lambda r: (-recv[r], r))
         settled = True  # every group proved it cannot improve
         for group in groups_of(order[0], order, num_ranks):
+            if time.monotonic() >= deadline:
+                return ranks, spent, False
             gm = group_model(blocks, ranks, num_ranks, group, token_cap=token_cap,
                              work_cap=work_cap)
             step = solve(gm, min(step_limit, budget - spent))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -68,6 +69,8 @@ def bisect_bound(state: Search, build: Callable[[list[int]], BlockModel],
     t = cp.tuning
     high, undecided = state.value, 0  # questions ask about v < high
     while state.bound < high and budget - state.spent > 1e-3 and undecided < t.max_undecided:
+        if time.monotonic() >= cp.deadline:
+            return state._replace(deterministic=False)
         v = (state.bound + high - 1) // 2
         state, decided = ask(state, v, build, value_of,
                              min(t.probe_share * limit, budget - state.spent), cp)
@@ -180,13 +183,24 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
        ``bisect_share`` of the limit.
     4. Spend the rest on ``bisect_bound`` questions, which raise the bound where the
        optimisation cannot.
+
+    A step due after the wall-clock deadline (``cp.deadline``) is skipped (the models cost
+    Python time to build even where CP-SAT would stop at once) and the result says it is
+    not deterministic.
     """
     t = cp.tuning
+    skipped = False
+
+    def late() -> bool:
+        nonlocal skipped
+        skipped = skipped or time.monotonic() >= cp.deadline
+        return skipped
+
     state = progress("hint", Search(hint, value_of(hint), 0, 0.0, True))
     asked = subs.all_fit and state.value > 0
     if asked:  # cheap, and a YES ends the search
         state = progress("whole docs", ask_whole(state, subs, t.zero_share * limit, value_of))
-    if state.bound < state.value:
+    if state.bound < state.value and not late():
         if not subs.fill_first:
             state = progress("rank groups", subs.group_search(
                 state, t.group_share * limit, t.group_step_share * limit))
@@ -194,7 +208,7 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
         state = progress("ends", state._replace(
             bound=max(state.bound, bound), spent=state.spent + ends_spent,
             deterministic=state.deterministic and deterministic))
-        if state.bound < state.value:
+        if state.bound < state.value and not late():
             share = t.fill_relax_share if subs.fill_first else t.relax_share
             bound, spent, deterministic = relaxed_bound(
                 subs.relaxation, subs.relaxed_value, share * limit - ends_spent, limit,
@@ -202,16 +216,17 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
             state = progress("relaxation", state._replace(
                 bound=max(state.bound, bound), spent=state.spent + spent,
                 deterministic=state.deterministic and deterministic))
-    if state.bound == 0 < state.value and not asked:
+    if state.bound == 0 < state.value and not asked and not late():
         state = progress("whole docs", ask_whole(state, subs, t.zero_share * limit, value_of))
-    if subs.fill_first and state.bound < state.value:
+    if subs.fill_first and state.bound < state.value and not late():
         state = progress("fill", ask_fill(
             state, subs, max(t.fill_share * limit, t.fill_until * limit - state.spent), value_of,
             t.fill_gap))
-    if state.bound < state.value:
+    if state.bound < state.value and not late():
         state = progress("rank groups", subs.group_search(
             state, t.search_share * limit, t.group_step_share * limit))
-    if state.bound < state.value and (1 - t.bisect_share) * limit > state.spent + 1e-3:
+    if state.bound < state.value and (1 - t.bisect_share) * limit > state.spent + 1e-3 \
+            and not late():
         bm = build(state.ranks)
         bm.model.Add(bm.comm_max >= state.bound)
         run = cpsat.run(bm, bm.comm_max, (1 - t.bisect_share) * limit - state.spent, cp)
@@ -224,6 +239,8 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
                 state = state._replace(ranks=run.ranks, value=value_of(run.ranks))
         progress("full model", state)
     state = progress("questions", bisect_bound(state, build, value_of, limit, limit, cp))
+    if skipped:
+        state = state._replace(deterministic=False)
     bound = min(state.bound, state.value)
     status = "OPTIMAL" if bound == state.value else "FEASIBLE"
     if status == "FEASIBLE" and not state.found:

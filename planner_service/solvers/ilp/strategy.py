@@ -67,8 +67,9 @@ MAX_WORKERS = 16
 
 OPTIONS = {
     "granularity": f"block size in tokens, >= 1 and at most the longest doc (default {DEFAULT_GRANULARITY})",
-    "time_limit_s": f"CP-SAT deterministic time limit in seconds, > 0 (default {DEFAULT_TIME_LIMIT_S}, "
-    f"capped at {MAX_TIME_LIMIT_S})",
+    "time_limit_s": f"wall-time limit of the solve in seconds, > 0 (default {DEFAULT_TIME_LIMIT_S}, "
+    f"capped at {MAX_TIME_LIMIT_S}); the search's budget is a fixed amount of CP-SAT deterministic "
+    "time per second of it, so the plan does not depend on the machine's load",
     "objective": "'comm' (min critical-path KV at imbalance <= R, default) or 'balance' "
     "(min max workload, then comm)",
     "workers": f"CP-SAT workers, 1 to {MAX_WORKERS} (default {DEFAULT_WORKERS})",
@@ -176,17 +177,23 @@ def workload_cap(doc_lengths: Sequence[int], num_ranks: int, target: float) -> i
 
 def solve_blocks(
     doc_lengths: Sequence[int], num_ranks: int, target: float, options: IlpOptions,
-    tuning: Tuning | None = None,
+    tuning: Tuning | None = None, deadline: float | None = None,
 ) -> IlpResult:
     """Place blocks optimally (or as well as the time limit allows); see the module docstring.
 
-    ``tuning`` defaults to this module's ``TUNING``, read at every solve.
+    ``tuning`` defaults to this module's ``TUNING``, read at every solve. The search gets
+    ``tuning.dtime_per_s * options.time_limit_s`` deterministic seconds and stops at
+    ``deadline`` (``time.monotonic()``; default: ``cpsat.Cp.start``'s, from now) whatever
+    it has spent.
 
     Raises FieldError (``imbalance_target``) if R is below what integer tokens allow, or if
     CP-SAT proves that no placement at this granularity meets R.
     """
     n = num_ranks
-    cp = Cp.start(options.workers, options.time_limit_s, TUNING if tuning is None else tuning)
+    tuning = TUNING if tuning is None else tuning
+    cp = Cp.start(options.workers, options.time_limit_s, tuning) if deadline is None \
+        else Cp(options.workers, deadline, tuning)
+    budget = cpsat.budget_s(options.time_limit_s, tuning)
     cap = workload_cap(doc_lengths, n, target) if options.objective == "comm" else None
     hint_shards, _ = flashcp_shards(doc_lengths, n, target)
     cuts = layout_cuts(hint_shards)
@@ -215,12 +222,12 @@ def solve_blocks(
             assert cap is not None
             run = solve_comm(hint, hinted, comm_of,
                              Subproblems(blocks, doc_lengths, n, tokens_cap, cap, cp),
-                              options.time_limit_s, cp)
+                             budget, cp)
         else:  # flashcp misses R: no incumbent to question from, and no hint: a hint that
             # breaks the model's caps, on a model CP-SAT proves infeasible, aborts CP-SAT
             # 9.10's interleaved search (see ``Subproblems.group_search``).
             bm = model()
-            run = cpsat.run(bm, bm.comm_max, options.time_limit_s, cp)
+            run = cpsat.run(bm, bm.comm_max, budget, cp)
         if run.status == "INFEASIBLE":
             raise FieldError(
                 "imbalance_target",
@@ -235,14 +242,14 @@ def solve_blocks(
     # Balance: min max workload, then min comm at that workload.
     bm = model()
     add_hint(bm, blocks, hint, n)
-    first = cpsat.run(bm, bm.work_max, options.time_limit_s / 2, cp)
+    first = cpsat.run(bm, bm.work_max, budget / 2, cp)
     if first.ranks is None:
         return _finish(blocks, n, first, hint, max(hint_loads), max(hint_loads),
                        lambda ranks: max(placement_values(blocks, ranks, n)[1]), first.deterministic)
     best_work = first.value
     bm = model(extra_work_cap=best_work)
     add_hint(bm, blocks, first.ranks, n)
-    rest = max(options.time_limit_s - first.dtime, options.time_limit_s / 2)
+    rest = max(budget - first.dtime, budget / 2)
     second = cpsat.run(bm, bm.comm_max, rest, cp)
     ranks = second.ranks or first.ranks
     status = "OPTIMAL" if first.status == second.status == "OPTIMAL" else "FEASIBLE"

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from planner_service.core.cost import doc_workload
 from planner_service.solvers.ilp.blocks import Blocks
-from planner_service.solvers.ilp.cpsat import Cp, Solve, chosen, solve_model
+from planner_service.solvers.ilp.cpsat import Cp, Solve, build_charge, chosen, solve_model
 from planner_service.solvers.ilp.ends import ends_bound
 from planner_service.solvers.ilp.fill import fill_model, fill_ranks, option_count
 from planner_service.solvers.ilp.lns import GroupModel, Step, descend
@@ -135,6 +135,7 @@ class Subproblems:
 
         def solve(gm: GroupModel, limit_s: float) -> Step:
             solver, status, dtime, det = solve_model(gm.model, limit_s, cp)
+            dtime += build_charge(gm.x, cp.tuning)
             if status not in ("OPTIMAL", "FEASIBLE"):
                 return Step(None, dtime, det, status == "INFEASIBLE")
             return Step([gm.group[j] for j in chosen(solver, gm.x)], dtime, det,
@@ -146,7 +147,8 @@ class Subproblems:
         blocks, n = self.blocks, self.n
         ranks, spent, det = descend(blocks, state.ranks, n, token_cap=self.tokens_cap,
                                     work_cap=self.work_cap, budget=until - state.spent,
-                                    step_limit=step_limit, solve=solve)
+                                    step_limit=step_limit, solve=solve,
+                                    deadline=cp.deadline)
         ranks = canonical_ranks(blocks, ranks, n)
         value = max(placement_values(blocks, ranks, n)[2])
         state = state._replace(spent=state.spent + spent,

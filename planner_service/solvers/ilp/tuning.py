@@ -1,8 +1,8 @@
-"""How the ILP's comm search divides its time limit, and its wall-clock guard.
+"""How the ILP's comm search divides its budget, and its wall-clock deadline.
 
-Every share is a fraction of the request's deterministic time limit (``time_limit_s``),
-so the same request runs the same steps for the same deterministic time and gives the
-same plan. The steps themselves are described in :mod:`.search`; how well a choice of
+Every share is a fraction of the request's deterministic budget (``dtime_per_s`` x
+``time_limit_s``), so the same request runs the same steps for the same deterministic
+time and gives the same plan. The steps themselves are described in :mod:`.search`; how well a choice of
 shares closes the gap is measured by ``python -m bench.ilp_compare`` (results in
 ``bench/results/``).
 """
@@ -17,14 +17,25 @@ from fractions import Fraction
 class Tuning:
     """The ILP search's budget split and guards (``TUNING`` is the one the strategy uses)."""
 
-    wall_guard: float = 3.0
-    """Wall-clock guard factor: a CP-SAT call (and the whole solve) of ``x`` deterministic
-    seconds stops after ``wall_guard * x + wall_guard_base_s`` wall seconds, so that an
-    overloaded machine cannot hold a request past its deadline. Normal runs stay well
-    inside it (CP-SAT's interleaved search overshoots its deterministic limit in wall time
-    by a small factor); a plan cut short by it says ``"deterministic": false``."""
-    wall_guard_base_s: float = 2.0
-    """The guard's fixed allowance in wall seconds (model copying and presolve)."""
+    dtime_per_s: float = 0.04
+    """Deterministic seconds of search per second of ``time_limit_s``: the search's whole
+    budget is ``dtime_per_s * time_limit_s`` deterministic seconds (CP-SAT's, plus
+    ``build_charge``), the same on every machine, so the same request gives the same
+    plan. CP-SAT does 0.07 (a 2-core host at load 7) to 0.25 (the same host quiet)
+    deterministic seconds per wall second with this model, so a small request spends its
+    budget in a third to a half of the limit on that loaded host
+    (``python -m bench.ilp_repro``, bench/results/ilp_repro.md)."""
+    build_charge: float = 5e-5
+    """Deterministic seconds charged per placement boolean of every model the search
+    builds and solves (the full model, a rank group's): the Python time of building it,
+    which CP-SAT's deterministic time does not count, so the budget bounds the whole
+    search and its steps, not only CP-SAT's (about 25 ms per 100 booleans at 0.25
+    deterministic seconds per wall second)."""
+    wall_margin_s: float = 0.25
+    """The wall-clock deadline of the search is ``time_limit_s`` minus this (at most a
+    quarter of the limit) after it starts: the rest is for building the plan, so the whole
+    solve ends within ``time_limit_s`` plus the plan's build. A CP-SAT call still running
+    at the deadline is stopped, and the plan says ``"deterministic": false``."""
     group_share: float = 0.4
     """Where the longest doc does not fit on a rank: the rank-group steps from the hint
     run until this share of the limit is spent, to give the bound a good incumbent."""
