@@ -81,12 +81,13 @@ from planner_service.core.step_time import plan_rank_terms
 from planner_service.data import make_source, pack_sequences
 from planner_service.solvers.registry import solve
 from worker_runtime import CommCounter, ContextParallelAttention, build_meta, varlen_attention
+from worker_runtime.aten_flash import choose_kernel
 from worker_runtime.comm import Exchanger
 from worker_runtime.kernels import VarlenMeta, attention_backward, attention_forward
 from worker_runtime.overlap import build_state
 from worker_runtime.ring import RingLink, build_ring_state, ring_link, shift
 from worker_runtime.segattention import build_segment_state
-from worker_runtime.segkernels import ReferenceSegments, SegmentKernel, SegmentMeta, flash_segments
+from worker_runtime.segkernels import ReferenceSegments, SegmentKernel, SegmentMeta
 from worker_runtime.segments import SegmentCall
 from worker_runtime.segring import build_segment_ring_state
 from worker_runtime.testing import free_port, run_distributed
@@ -396,14 +397,16 @@ def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torc
     """Per rank of ``plan``, its kernel alone on this one device (wall ms after a
     synchronize), ranks one after another: the kernel term where the plan has more ranks
     than there are GPUs, on the flash path the runtime would take (segments, or the segment
-    ring for a ring plan, when flash-attn's varlen API passes its probe, else gathered).
+    ring for a ring plan, on the segment kernel ``aten_flash.choose_kernel`` picks: PyTorch's
+    own FlashAttention by default; gathered where none passes its probe).
     Layer, copies and exchange are not measured (None)."""
     from worker_runtime import build_comm_map, build_layout
     from worker_runtime.profiler import median_ms
 
     h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    probe = torch.empty((1, h, d), device=device, dtype=dtype)
     segment_kernel: SegmentKernel | None = (
-        ReferenceSegments() if reference_segments else flash_segments(device, dtype, d))
+        ReferenceSegments() if reference_segments else choose_kernel("auto", probe, "segments").segment_kernel)
     ring = plan.comm_mode == "p2p_ring"
     path = ("segment_ring" if ring else "segments") if segment_kernel is not None else "gathered"
     gen = torch.Generator(device=device).manual_seed(0)

@@ -10,7 +10,7 @@ timings file the cost-model fitting reads (format ``cp-planner-timings/v1``)::
 An attention record is the forward+backward kernel time of one rank's own shards of a
 packed sequence of ``seq_tokens`` tokens (``num_docs`` docs) split over ``degree`` ranks.
 A comm record is one rank's forward KV exchange: ``bytes`` received in ``ms``.
-The same code runs on CPU (torch kernel, gloo) and GPU (flash-attn, NCCL).
+The same code runs on CPU (torch kernel, gloo) and GPU (PyTorch's FlashAttention, NCCL).
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import torch
 
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Plan, Shard
+from worker_runtime.aten_flash import choose_kernel
 from worker_runtime.attention import ContextParallelAttention
 from worker_runtime.kernels import build_meta, varlen_attention
+from worker_runtime.segkernels import SegmentVarlen
 
 TIMINGS_FORMAT = "cp-planner-timings/v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -85,11 +87,14 @@ def time_shards(
     seed: int = 0,
 ) -> float:
     """Forward+backward kernel ms for one rank's shards (queries of shard (d, s, e) against
-    e keys), with random inputs; no communication."""
+    e keys), with random inputs; no communication. The kernel is the one the runtime's
+    gathered path runs under ``kernel`` (``aten_flash.choose_kernel``: PyTorch's own
+    FlashAttention on CUDA in half precision by default, else flash-attn's public varlen
+    function, else the torch kernel)."""
     device = torch.device(device)
     lq = np.array([s.end - s.start for s in shards], dtype=np.int64)
     lk = np.array([s.end for s in shards], dtype=np.int64)
-    meta = build_meta(np.concatenate(([0], np.cumsum(lq))), np.concatenate(([0], np.cumsum(lk))), device)
+    cu_q, cu_k = np.concatenate(([0], np.cumsum(lq))), np.concatenate(([0], np.cumsum(lk)))
     gen = torch.Generator(device=device).manual_seed(seed)
     h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
 
@@ -98,9 +103,18 @@ def time_shards(
 
     q, k, v = rand(int(lq.sum()), h, d), rand(int(lk.sum()), g, d), rand(int(lk.sum()), g, d)
     grad = torch.randn(q.shape, generator=gen, device=device, dtype=dtype)
+    found, flash_gathered = choose_kernel(kernel, q, "gathered")
+    if found is not None:
+        seg_meta = found.meta(cu_q, cu_k, True, device)
+    else:
+        meta = build_meta(cu_q, cu_k, device)
+        gathered_kernel = "flash" if flash_gathered else "torch"
 
     def step() -> None:
-        out = varlen_attention(q, k, v, meta, d**-0.5, kernel)
+        if found is not None:
+            out = SegmentVarlen.apply(q, k, v, found, seg_meta, d**-0.5)
+        else:
+            out = varlen_attention(q, k, v, meta, d**-0.5, gathered_kernel)
         torch.autograd.grad(out, (q, k, v), grad)
 
     return median_ms(step, device, repeats=repeats)
