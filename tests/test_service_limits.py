@@ -113,6 +113,32 @@ def test_json_depth_counts_only_structure_outside_strings(text, ok):
             check_json_depth(text, 3)
 
 
+def test_json_depth_fast_path_agrees_with_the_scan_across_chunk_edges(monkeypatch):
+    """The numpy path (bodies without a backslash), read in 7-byte chunks, gives the
+    depth Python's json gives, strings holding brackets included."""
+    import json
+    import random
+
+    from planner_service.service import schemas
+
+    def depth(v):
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        return 0 if items is None else 1 + max(map(depth, items), default=0)
+
+    def tree(rng, d):
+        if d == 0 or rng.random() < 0.2:
+            return rng.choice([1, "a[b{", "]}", 2.5, None, "x"])
+        if rng.random() < 0.5:
+            return [tree(rng, d - 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(["k", "[", "}{"]): tree(rng, d - 1) for _ in range(rng.randint(0, 3))}
+
+    monkeypatch.setattr(schemas, "_DEPTH_CHUNK", 7)
+    rng = random.Random(0)
+    for _ in range(500):
+        value = tree(rng, rng.randint(0, 8))
+        assert schemas._deepest_unescaped(json.dumps(value).encode()) == depth(value)
+
+
 def test_grpc_peers_name_clients_like_http_does():
     from planner_service.service.grpc_server import peer_address
 

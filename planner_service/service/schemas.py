@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from planner_service.core.errors import FieldError
@@ -70,12 +71,39 @@ class Limits:
 _JSON_STRUCTURE = re.compile(rb'[\[\]{}"\\]')
 
 
+_DEPTH_CHUNK = 1 << 20
+
+
+def _deepest_unescaped(data: bytes) -> int:
+    """The deepest array/object nesting of JSON text holding no backslash, brackets inside
+    strings not counted. O(bytes) numpy, in chunks of ``_DEPTH_CHUNK`` bytes."""
+    buf = np.frombuffer(data, np.uint8)
+    depth = deepest = quotes = 0
+    for lo in range(0, buf.size, _DEPTH_CHUNK):
+        part = buf[lo:lo + _DEPTH_CHUNK]
+        is_quote = part == ord('"')
+        outside = (np.cumsum(is_quote, dtype=np.int64) + quotes) % 2 == 0
+        opens = ((part == ord("[")) | (part == ord("{"))) & outside
+        closes = ((part == ord("]")) | (part == ord("}"))) & outside
+        run = depth + np.cumsum(opens.astype(np.int32) - closes.astype(np.int32), dtype=np.int64)
+        deepest = max(deepest, int(run.max()))
+        depth, quotes = int(run[-1]), quotes + int(is_quote.sum())
+    return deepest
+
+
 def check_json_depth(raw: bytes | str, limit: int, field: str = "body") -> None:
     """Refuse JSON nested deeper than ``limit`` arrays/objects before any parser recurses
     into it (Python's json raises RecursionError near 1,000 levels); raises FieldError.
 
-    Linear in the number of brackets and quotes (digits are skipped by the regex)."""
+    Linear in the body: numpy over 1 MiB chunks where the body has no backslash (every
+    quote then opens or closes a string), else a scan of its brackets and quotes (digits
+    are skipped by the regex)."""
     data = raw.encode() if isinstance(raw, str) else raw
+    if b"\\" not in data:
+        if _deepest_unescaped(data) > limit:
+            raise FieldError(field, f"{field} nests arrays/objects deeper than {limit} "
+                             "levels (PLANNER_MAX_JSON_DEPTH)")
+        return
     depth = escape_at = 0
     in_string = escaped = False
     for match in _JSON_STRUCTURE.finditer(data):
