@@ -299,6 +299,7 @@ def _solve(request: PlanRequest, check: bool) -> Plan:
         model=request.model,
         kernel=request.kernel,
         link=request.link,
+        mask=request.mask,
     )
     check_plan(plan, request.max_kv_tokens_per_rank)
     if check:
