@@ -171,7 +171,8 @@ def build_plan(
         groups=tuple(groups),
         metrics=plan_metrics(measured, comm_mode),
         info=dict(sorted(layout.info.items())),
-        mask=mask,
+        # Causal in every layer, whatever the layer count: the plan of a request without one.
+        mask=CAUSAL if mask.is_causal else mask,
     )
     draft = Plan(**fields, plan_id="")
     return Plan(**fields, plan_id=plan_hash(draft, made=made))

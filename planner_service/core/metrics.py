@@ -175,7 +175,7 @@ def masked_metrics(
     """A group's causal ``metrics`` and ``stats`` turned into those under ``mask`` (module
     docstring). O(G s log s) for G windows and s shards."""
     if arrays is None:
-        arrays = _int_arrays(shards_per_rank)
+        arrays = int_arrays(shards_per_rank)
     tokens_per_rank = metrics.tokens_per_rank
     figures = ww.mask_figures_of(arrays, mask, comm_mode=comm_mode,
                                  tokens_per_rank=tokens_per_rank)
@@ -232,7 +232,7 @@ def masked_metrics(
     return masked, masked_stats
 
 
-def _int_arrays(shards_per_rank: Sequence[Sequence[Shard]]) -> cost.ShardArrays:
+def int_arrays(shards_per_rank: Sequence[Sequence[Shard]]) -> cost.ShardArrays:
     """The shards as ``ShardArrays`` without the int64 workload guard (window_work's
     figures of one layer stay below 2^62: at most 2^31 tokens, each attending fewer keys);
     rank by rank, in order."""
