@@ -89,3 +89,26 @@ def test_auto_under_a_mask_is_valid_and_within_r_when_a_candidate_is(mask, spec)
     if within:
         assert plan.metrics.imbalance <= 1.05
         assert plan.metrics.comm_tokens == min(c["weighted_comm_tokens"] for c in within)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(masks.filter(lambda m: not m.is_causal), requests,
+       st.sampled_from(("flashcp", "flashcp_paper", "auto")))
+def test_the_balance_contract_holds_on_the_weighted_work(mask, spec, strategy):
+    lengths, n, context = spec
+    plan = solve(PlanRequest(doc_lengths=lengths, cp_size=n, context_length=context,
+                             strategy=strategy, mask=mask))
+    missed = plan.metrics.imbalance > 1.05
+    assert (plan.info.get("imbalance_target_met") is False) == missed
+    if missed:
+        assert plan.info["imbalance_reached"] == plan.metrics.imbalance
+
+
+def test_a_kv_bound_under_a_mask_bounds_the_largest_window_peak():
+    mask = AttentionMask((LayerGroup(64, 3), LayerGroup(None, 1)))
+    free = solve(PlanRequest(doc_lengths=(9000, 3000, 500, 12), cp_size=4, mask=mask))
+    peak = max(free.groups[0].rank_stats.kv_tokens_peak)
+    bounded = solve(PlanRequest(doc_lengths=(9000, 3000, 500, 12), cp_size=4, mask=mask,
+                                max_kv_tokens_per_rank=peak))
+    assert max(bounded.groups[0].rank_stats.kv_tokens_peak) <= peak
+    assert bounded.mask == mask

@@ -80,6 +80,23 @@ def price(name: str, layout: Layout, request: PlanRequest, mode: str) -> Priced:
     return Priced(name, layout, imbalance(work), comm)
 
 
+def group_imbalances(layout: Layout, request: PlanRequest) -> list[float]:
+    """Each group's layer-weighted imbalance under the request's mask. O(G s log s)."""
+    mode = request.comm_mode or "alltoallv"
+    return [price("", Layout([group], {}), request, mode).imbalance for group in layout.groups]
+
+
+def redeclared(layout: Layout, request: PlanRequest) -> Layout:
+    """A layout of a strategy that balances causal work (flashcp_paper, ilp, fcp), its
+    ``balance.declared`` fields recomputed from the layer-weighted work under the
+    request's mask, so a plan whose weighted imbalance misses R says so (and one that
+    meets it carries neither field). O(G s log s)."""
+    info = {k: v for k, v in layout.info.items()
+            if k not in ("imbalance_target_met", "imbalance_reached")}
+    return Layout(layout.groups, declared(info, group_imbalances(layout, request),
+                                          request.imbalance_target))
+
+
 def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
                           base: Callable[[Sequence[int], PlanRequest], Layout]) -> Layout:
     """The candidate with the best weighted objective (module docstring); ``base`` is
