@@ -36,10 +36,11 @@ CONTRACT = frozenset({
     "planner_service.core.model",
     "planner_service.core.cost",
     "planner_service.core.errors",
+    "planner_service.core.mask",
 })
 """What ``worker_runtime`` may import from ``planner_service``: the plan, the model shape
-it carries, the exchange volumes of its shards (``core.cost``) and the error the model
-shape's checks raise (``core.errors``)."""
+it carries, the attention mask it records (``core.mask``), the exchange volumes of its
+shards (``core.cost``) and the error the model shape's checks raise (``core.errors``)."""
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:

@@ -32,7 +32,8 @@ FIELD_FLAGS = {
     "imbalance_target": "--imbalance-target", "comm_mode": "--comm-mode", "kernel": "--kernel",
     "link": "--link", "sequences": "--sequences or --dataset", "num_ranks": "--ranks",
     "memory_tokens": "--memory-tokens", "profile": "--profile", "search": "--search",
-    "micro_batches": "--micro-batches",
+    "micro_batches": "--micro-batches", "window": "--window", "layers": "--layers",
+    "hf_config": "--hf-config",
 }
 """Request field (a FieldError's ``field``, first part) -> the flag of ``planner plan``,
 ``compare`` or ``schedule`` that sets it."""

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from planner_service.cli.common import console, fail, note
+from planner_service.cli.mask_opts import HfConfig, Layers, Window, mask_of
 from planner_service.core.plan import Plan
 from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import PlanRequest
@@ -109,6 +110,15 @@ def _metrics_table(plan: Plan) -> Table:
         ("padding tokens", str(m.padding_tokens)),
         ("split docs", str(m.num_split_docs)),
     ]
+    if m.layers is not None:
+        # Under a mask: layer-weighted work, exchange summed over the layers (core/metrics.py).
+        rows[0] = ("imbalance (layer-weighted)", rows[0][1])
+        rows[2] = ("KV tokens recv (critical path, all layers)", rows[2][1])
+        rows.insert(0, ("mask", plan.mask.to_text()))
+        rows += [(f"  {layer.count} x window {'full' if layer.window is None else layer.window}",
+                  f"imbalance {layer.imbalance:.4f}, recv {layer.comm_tokens:,} per layer")
+                 for layer in m.layers]
+        rows.append(("  (est. step times price causal calls)", ""))
     if KV_FIELD in plan.info:
         rows.append(("KV peak (bound)", f"{plan_peak(plan):,} ({plan.info[KV_FIELD]:,})"))
     reached = missed(plan.info)
@@ -140,8 +150,15 @@ def plan(
     max_kv_tokens_per_rank: KvBound = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw plan JSON")] = False,
     url: Url = None,
+    window: Window = None,
+    layers: Layers = None,
+    hf_config: HfConfig = None,
 ) -> None:
     """Plan one packed sequence and print per-rank shards and metrics."""
+    mask = mask_of(window, layers, hf_config)
+    if url and not mask.is_causal:
+        raise fail("--window, --layers and --hf-config plan locally only: the service does "
+                   "not read a mask yet (leave out --url)")
     seq = _sequences(docs, dataset, context, 1, seed)[0]
     request = PlanRequest(
         doc_lengths=tuple(seq),
@@ -154,6 +171,7 @@ def plan(
         kernel=kernel or default_kernel_name(),
         link=link,
         max_kv_tokens_per_rank=max_kv_tokens_per_rank,
+        mask=mask,
     )
     where = "server" if url else "local"
     if url:

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner_service.core.cost import ShardArrays, per_rank_sums, shard_arrays
+from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.metrics import group_metrics_of, plan_metrics
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import (
@@ -115,8 +116,10 @@ def build_plan(
     model: ModelSpec,
     kernel: str,
     link: str,
+    mask: AttentionMask = CAUSAL,
 ) -> Plan:
-    """Canonicalise shards, add explicit padding, compute metrics and the plan_id.
+    """Canonicalise shards, add explicit padding, compute metrics (under ``mask``:
+    core/metrics.py) and the plan_id.
 
     Padding per rank = the group's largest token count minus the rank's own, so every
     rank of a group holds the same number of tokens.
@@ -142,7 +145,8 @@ def build_plan(
         most = max(tokens)
         padding = tuple([most - t for t in tokens])
         metrics, stats = group_metrics_of(
-            arrays, shards, padding, comm_mode=comm_mode, model=model, kernel=kernel, link=link
+            arrays, shards, padding, comm_mode=comm_mode, model=model, kernel=kernel, link=link,
+            mask=mask,
         )
         measured.append((metrics, stats))
         groups.append(
@@ -167,6 +171,8 @@ def build_plan(
         groups=tuple(groups),
         metrics=plan_metrics(measured, comm_mode),
         info=dict(sorted(layout.info.items())),
+        # Causal in every layer, whatever the layer count: the plan of a request without one.
+        mask=CAUSAL if mask.is_causal else mask,
     )
     draft = Plan(**fields, plan_id="")
     return Plan(**fields, plan_id=plan_hash(draft, made=made))

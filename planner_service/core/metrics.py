@@ -1,15 +1,32 @@
 """Metrics of a group and of a plan, computed only from shards (so the validator can
-recompute and compare every reported figure)."""
+recompute and compare every reported figure).
+
+Under a mask that is not causal in every layer (core/mask.py), the work and exchange
+figures are those of the whole model (core/window_work.py ``mask_figures_of``):
+``imbalance``, ``max_workload`` and ``mean_workload`` of the layer-weighted work
+``sum_g count_g work_g``; ``comm_tokens``, ``full_comm_tokens``, ``alltoallv_tokens``,
+``compact_allgather_tokens`` and ``comm_bytes`` summed over the layers (each layer's
+exchange is its own collective: ``sum_g count_g max_i recv_g[i]``), the savings their
+ratios; ``rank_stats.workload``, ``alltoallv_recv`` and ``allgather_send`` the
+layer-weighted sums per rank, ``kv_tokens_peak`` the largest over the windows. A
+``layers`` list holds the figures of one layer of each window (``LayerMetrics``,
+``RankLayerStats``). The step-time estimates (``est_*``) stay those of causal calls
+(the step-time model does not price windowed calls yet). A causal mask gives exactly
+the causal figures, with no ``layers``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from planner_service.core import cost
+from planner_service.core import window_work as ww
+from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.model import ModelSpec
-from planner_service.core.plan import Metrics, RankStats, Shard
+from planner_service.core.plan import LayerMetrics, Metrics, RankLayerStats, RankStats, Shard
 from planner_service.core.profiles import get_kernel_profile, get_link_profile
 from planner_service.core.step_time import (
     attention_tiles_of,
@@ -29,11 +46,12 @@ def group_metrics(
     model: ModelSpec,
     kernel: str,
     link: str,
+    mask: AttentionMask = CAUSAL,
 ) -> tuple[Metrics, RankStats]:
-    """Metrics and per-rank stats of one group (ranks in group order)."""
+    """Metrics and per-rank stats of one group (ranks in group order) under ``mask``."""
     return group_metrics_of(
         cost.shard_arrays(shards_per_rank), shards_per_rank, padding,
-        comm_mode=comm_mode, model=model, kernel=kernel, link=link,
+        comm_mode=comm_mode, model=model, kernel=kernel, link=link, mask=mask,
     )
 
 
@@ -46,11 +64,13 @@ def group_metrics_of(
     model: ModelSpec,
     kernel: str,
     link: str,
+    mask: AttentionMask = CAUSAL,
 ) -> tuple[Metrics, RankStats]:
     """``group_metrics`` given the shards also as ``cost.ShardArrays`` (None: not
     representable in int64, computed shard by shard and ``rank_step`` rank by rank).
     O(s log s) for s shards in numpy, plus ``group_steps`` (O(shards + tiles) for the
-    flash-attn profiles; no loop over ranks)."""
+    flash-attn profiles; no loop over ranks); under a mask, O(G s log s) more for G
+    windows (``window_work.mask_figures_of``)."""
     n = len(shards_per_rank)
     kernel_profile, link_profile = get_kernel_profile(kernel), get_link_profile(link)
     counts = np.fromiter(map(len, shards_per_rank), dtype=np.int64, count=n)
@@ -141,16 +161,112 @@ def group_metrics_of(
         kv_tokens_peak=cost.kv_tokens_peak(held_kv_mode(kernel, comm_mode), volumes, tokens,
                                             tokens_per_rank),
     )
-    return metrics, stats
+    if mask.is_causal:
+        return metrics, stats
+    return masked_metrics(metrics, stats, shards_per_rank, arrays, mask=mask,
+                          comm_mode=comm_mode, model=model, kernel=kernel)
+
+
+def masked_metrics(
+    metrics: Metrics, stats: RankStats, shards_per_rank: Sequence[Sequence[Shard]],
+    arrays: cost.ShardArrays | None, *, mask: AttentionMask, comm_mode: str,
+    model: ModelSpec, kernel: str,
+) -> tuple[Metrics, RankStats]:
+    """A group's causal ``metrics`` and ``stats`` turned into those under ``mask`` (module
+    docstring). O(G s log s) for G windows and s shards."""
+    if arrays is None:
+        arrays = int_arrays(shards_per_rank)
+    tokens_per_rank = metrics.tokens_per_rank
+    figures = ww.mask_figures_of(arrays, mask, comm_mode=comm_mode,
+                                 tokens_per_rank=tokens_per_rank)
+    n = len(shards_per_rank)
+    held = held_kv_mode(kernel, comm_mode)
+    layers, rank_layers = [], []
+    for f in figures.layers:
+        work = f.workload
+        layers.append(LayerMetrics(
+            window=f.window, count=f.layers, imbalance=cost.imbalance(work),
+            max_workload=max(work), mean_workload=sum(work) / n,
+            comm_tokens=max(f.recv), alltoallv_tokens=f.volumes.alltoallv_tokens,
+            compact_allgather_tokens=f.volumes.compact_allgather_tokens))
+        rank_layers.append(RankLayerStats(
+            window=f.window, workload=work, alltoallv_recv=f.volumes.alltoallv_recv,
+            allgather_send=f.volumes.allgather_send,
+            kv_tokens_peak=cost.kv_tokens_peak(held, f.volumes, stats.tokens,
+                                               tokens_per_rank)))
+    count = mask.num_layers
+    full = count * metrics.full_comm_tokens
+    alltoallv = sum(layer.count * layer.alltoallv_tokens for layer in layers)
+    allgather = sum(layer.count * layer.compact_allgather_tokens for layer in layers)
+    workload = figures.workload
+    masked = replace(
+        metrics,
+        imbalance=cost.imbalance(workload),
+        max_workload=max(workload),
+        mean_workload=sum(workload) / n,
+        comm_tokens=figures.comm_tokens,
+        full_comm_tokens=full,
+        compact_allgather_tokens=allgather,
+        alltoallv_tokens=alltoallv,
+        comm_saving=cost.saving(figures.comm_tokens, full),
+        comm_saving_allgather=cost.saving(allgather, full),
+        comm_saving_alltoallv=cost.saving(alltoallv, full),
+        comm_bytes=figures.comm_tokens * model.kv_bytes_per_token,
+        full_comm_bytes=full * model.kv_bytes_per_token,
+        layers=tuple(layers),
+    )
+    weighted_recv = tuple(sum(layer.layers * r.alltoallv_recv[i]
+                              for layer, r in zip(mask.groups, rank_layers, strict=True))
+                          for i in range(n))
+    weighted_send = tuple(sum(layer.layers * r.allgather_send[i]
+                              for layer, r in zip(mask.groups, rank_layers, strict=True))
+                          for i in range(n))
+    masked_stats = replace(
+        stats,
+        workload=workload,
+        alltoallv_recv=weighted_recv,
+        allgather_send=weighted_send,
+        kv_tokens_peak=tuple(max(r.kv_tokens_peak[i] for r in rank_layers) for i in range(n)),
+        layers=tuple(rank_layers),
+    )
+    return masked, masked_stats
+
+
+def int_arrays(shards_per_rank: Sequence[Sequence[Shard]]) -> cost.ShardArrays:
+    """The shards as ``ShardArrays`` without the int64 workload guard (window_work's
+    figures of one layer stay below 2^62: at most 2^31 tokens, each attending fewer keys);
+    rank by rank, in order."""
+    counts = [len(rank) for rank in shards_per_rank]
+    flat = [s for rank in shards_per_rank for s in rank]
+    bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    return cost.ShardArrays(
+        np.repeat(np.arange(len(counts), dtype=np.int64), counts),
+        np.array([s.doc for s in flat], dtype=np.int64),
+        np.array([s.start for s in flat], dtype=np.int64),
+        np.array([s.end for s in flat], dtype=np.int64), bounds)
 
 
 def plan_metrics(groups: Sequence[tuple[Metrics, RankStats]], comm_mode: str) -> Metrics:
     """Aggregate group metrics: balance over all grouped ranks, the rest from the worst group.
 
-    A single-group plan's metrics equal its group's.
+    A single-group plan's metrics equal its group's. Under a mask, each window's
+    ``layers`` entry likewise: balance over all ranks, the exchange of the worst group.
     """
     if len(groups) == 1:
         return groups[0][0]
+    layers = None
+    if groups[0][1].layers is not None:
+        layers = []
+        for j, first in enumerate(groups[0][0].layers or ()):
+            work = [w for _, stats in groups for w in (stats.layers or ())[j].workload]
+            layers.append(replace(
+                first, imbalance=cost.imbalance(work), max_workload=max(work),
+                mean_workload=sum(work) / len(work),
+                comm_tokens=max((m.layers or ())[j].comm_tokens for m, _ in groups),
+                alltoallv_tokens=max((m.layers or ())[j].alltoallv_tokens for m, _ in groups),
+                compact_allgather_tokens=max((m.layers or ())[j].compact_allgather_tokens
+                                             for m, _ in groups)))
     workloads = [w for _, stats in groups for w in stats.workload]
     slowest = max(groups, key=lambda g: g[0].est_step_ms)[0]
     comm_tokens = max(m.comm_tokens for m, _ in groups)
@@ -179,4 +295,5 @@ def plan_metrics(groups: Sequence[tuple[Metrics, RankStats]], comm_mode: str) ->
         padding_tokens=sum(m.padding_tokens for m, _ in groups),
         num_shards=sum(m.num_shards for m, _ in groups),
         num_split_docs=sum(m.num_split_docs for m, _ in groups),
+        layers=None if layers is None else tuple(layers),
     )

@@ -5,6 +5,7 @@ JSON form (docs/plan.md)::
     {"version": 1, "strategy": "flashcp", "cp_size": 4, "doc_lengths": [...],
      "context_length": 131072, "comm_mode": "alltoallv", "model": {...},
      "kernel": "h100-fa3", "link": "nvlink",
+      "mask": [{"window": 1024, "count": 5}, {"window": null, "count": 1}],
      "groups": [{"ranks": [0, 1, 2, 3], "docs": [0, 1, ...],
                  "shards": [[{"doc": 0, "start": 0, "end": 4096}, ...], ...],
                  "padding": [0, 0, 0, 3], "metrics": {...}, "rank_stats": {...}}],
@@ -14,6 +15,12 @@ Shard positions are doc-relative. On each rank, shards are sorted by (doc, start
 the rank's local token buffer is those shards in that order followed by its padding.
 The plan holds no timing: solve time is reported beside it so that the same request
 gives the same plan byte for byte.
+
+``mask`` (core/mask.py, the ``layers`` JSON shape) is present only for a mask that is not
+causal in every layer; a causal plan has no such key, so its bytes and plan_id are those
+of a plan made before masks existed. Under a mask the metrics' work and exchange figures
+are layer-weighted and each metrics and rank_stats object carries a ``layers`` list of
+per-window figures (core/metrics.py).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from planner_service.core.mask import CAUSAL, AttentionMask, parse_layers
 from planner_service.core.model import ModelSpec
 
 PLAN_VERSION = 1
@@ -89,6 +97,39 @@ class Metrics:
     num_shards: int
     num_split_docs: int
     """Documents placed on more than one rank."""
+    layers: tuple[LayerMetrics, ...] | None = None
+    """Under a mask that is not causal (the plan's ``mask``): the figures of one layer of
+    each window, in the mask's group order; None (and absent from the JSON) for causal."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "layers"}
+        if self.layers is not None:
+            out["layers"] = [layer.to_dict() for layer in self.layers]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Metrics:
+        data = dict(data)
+        if data.get("layers") is not None:
+            data["layers"] = tuple(LayerMetrics(**layer) for layer in data["layers"])
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerMetrics:
+    """The figures of one layer of one window of a plan's mask (per layer, not weighted)."""
+
+    window: int | None
+    """The window (None: causal)."""
+    count: int
+    """Layers of the model with this window."""
+    imbalance: float
+    max_workload: int
+    mean_workload: float
+    comm_tokens: int
+    """KV tokens received by the rank that receives most, in the plan's comm mode."""
+    alltoallv_tokens: int
+    compact_allgather_tokens: int
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -107,10 +148,43 @@ class RankStats:
     """Compact all-gather buffer each rank contributes (before padding to equal size)."""
     kv_tokens_peak: tuple[int, ...]
     """KV tokens the worker runtime holds at once per layer on each rank in the plan's comm
-    mode (``cost.kv_tokens_peak``): what a per-rank KV memory bound limits."""
+    mode (``cost.kv_tokens_peak``): what a per-rank KV memory bound limits. Under a mask:
+    the largest over its windows."""
+    layers: tuple[RankLayerStats, ...] | None = None
+    """Under a mask that is not causal: per window, the per-rank figures of one layer;
+    None (absent from the JSON) for causal. ``workload``, ``alltoallv_recv`` and
+    ``allgather_send`` above are then the layer-weighted sums over all layers."""
 
-    def to_dict(self) -> dict[str, list[int]]:
-        return {f.name: list(getattr(self, f.name)) for f in fields(self)}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: list(getattr(self, f.name)) for f in fields(self)
+                               if f.name != "layers"}
+        if self.layers is not None:
+            out["layers"] = [layer.to_dict() for layer in self.layers]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankStats:
+        layers = data.get("layers")
+        return cls(**{k: tuple(v) for k, v in data.items() if k != "layers"},
+                   layers=None if layers is None else tuple(
+                       RankLayerStats(window=layer["window"], **{
+                           k: tuple(v) for k, v in layer.items() if k != "window"})
+                       for layer in layers))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankLayerStats:
+    """Per-rank figures of one layer of one window of the mask, in group rank order."""
+
+    window: int | None
+    workload: tuple[int, ...]
+    alltoallv_recv: tuple[int, ...]
+    allgather_send: tuple[int, ...]
+    kv_tokens_peak: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"window": self.window, **{f.name: list(getattr(self, f.name))
+                                          for f in fields(self) if f.name != "window"}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,6 +248,8 @@ class Plan:
     info: dict[str, Any]
     """Solver extras (JSON scalars and lists), e.g. ILP status and gap, per-doc docs."""
     plan_id: str
+    mask: AttentionMask = CAUSAL
+    """The attention mask the plan was made for (JSON ``mask`` only when not causal)."""
 
     def body_dict(self, *, groups: bool = True) -> dict[str, Any]:
         """Everything but plan_id: what the content hash covers (``groups=False``: with an
@@ -191,6 +267,7 @@ class Plan:
             "groups": [g.to_dict() for g in self.groups] if groups else [],
             "metrics": self.metrics.to_dict(),
             "info": self.info,
+            **({} if self.mask.is_causal else {"mask": self.mask.to_list()}),
         }
 
     def body_json(self, *, made: Sequence[tuple[str, str] | None] | None = None,
@@ -241,9 +318,10 @@ class Plan:
                 kernel=str(data["kernel"]),
                 link=str(data["link"]),
                 groups=groups,
-                metrics=Metrics(**data["metrics"]),
+                metrics=Metrics.from_dict(data["metrics"]),
                 info=dict(data.get("info", {})),
                 plan_id=str(data["plan_id"]),
+                mask=CAUSAL if data.get("mask") is None else parse_layers(data["mask"], "mask"),
             )
         except KeyError as exc:
             raise ValueError(f"plan is missing field {exc.args[0]!r}") from None
@@ -264,8 +342,8 @@ def _group_from_dict(data: dict[str, Any]) -> Group:
             for rank in data["shards"]
         ),
         padding=tuple(int(p) for p in data["padding"]),
-        metrics=Metrics(**data["metrics"]),
-        rank_stats=RankStats(**{k: tuple(v) for k, v in data["rank_stats"].items()}),
+        metrics=Metrics.from_dict(data["metrics"]),
+        rank_stats=RankStats.from_dict(data["rank_stats"]),
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from planner_service.core.errors import FieldError
+from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.model import ModelSpec
 from planner_service.core.profiles import default_kernel_name, get_kernel_profile, get_link_profile
 
@@ -123,6 +124,11 @@ class PlanRequest:
     """Bound on every rank's ``kv_tokens_peak`` (own tokens plus the remote KV held at once
     per layer, ``cost.kv_tokens_peak``); None: no bound. A strategy meets it or refuses,
     naming the smallest bound it can meet (solvers/kv_bound.py)."""
+    mask: AttentionMask = CAUSAL
+    """The model's attention per layer (core/mask.py): CAUSAL (every layer attends its whole
+    document prefix) unless given. A plan for a mask that is not causal records it and
+    reports layer-weighted figures (core/metrics.py); a causal one is byte-identical to a
+    plan of a request without it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "doc_lengths", check_doc_lengths(self.doc_lengths))
@@ -145,6 +151,9 @@ class PlanRequest:
                              f"{type(self.options).__name__}")
         if self.max_kv_tokens_per_rank is not None:
             check_int(self.max_kv_tokens_per_rank, "max_kv_tokens_per_rank", 1, MAX_TOKENS)
+        if not isinstance(self.mask, AttentionMask):
+            raise FieldError("layers", "layers must be an AttentionMask (core/mask.py: "
+                             f"parse_mask), got {type(self.mask).__name__}")
         total = sum(self.doc_lengths)
         if total > MAX_TOKENS:
             raise FieldError("doc_lengths", f"doc_lengths sum to {total}, above the limit "

@@ -22,7 +22,8 @@ def validate_plan(plan: Plan) -> None:
 
     Every token of every doc is placed exactly once, shards lie inside their doc,
     every rank of a group holds the same tokens after padding, ranks are disjoint and
-    inside [0, cp_size), every metric equals its recomputation from the shards, and
+    inside [0, cp_size), every metric equals its recomputation from the shards (under the
+    plan's mask: the layer-weighted and per-window figures, core/metrics.py), and
     plan_id is the content hash.
     """
     problems: list[str] = []
@@ -106,6 +107,7 @@ def _metric_problems(plan: Plan) -> list[str]:
             model=plan.model,
             kernel=plan.kernel,
             link=plan.link,
+            mask=plan.mask,
         )
         measured.append((metrics, stats))
         problems += _diff(f"groups[{gi}].metrics", group.metrics, metrics)
@@ -117,13 +119,26 @@ def _metric_problems(plan: Plan) -> list[str]:
 
 def _diff(where: str, reported: Metrics, recomputed: Metrics) -> list[str]:
     out = []
+    given = reported.to_dict()
     for name, want in recomputed.to_dict().items():
-        got: Any = getattr(reported, name)
-        same = (
-            math.isclose(got, want, rel_tol=REL_TOL, abs_tol=1e-12)
-            if isinstance(want, float)
-            else got == want
-        )
-        if not same:
+        got: Any = given.get(name)
+        if not _same(got, want):
             out.append(f"{where}.{name} = {got!r}, recomputed {want!r}")
+    out += [f"{where}.{name} is reported but not recomputed (a mask's layers without "
+            "the mask?)" for name in sorted(set(given) - set(recomputed.to_dict()))]
     return out
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Equal, floats within REL_TOL, lists and dicts (the per-window ``layers``) entry by
+    entry."""
+    if isinstance(want, float):
+        return isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=REL_TOL,
+                                                              abs_tol=1e-12)
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(
+            _same(got[k], want[k]) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(
+            _same(g, w) for g, w in zip(got, want, strict=True))
+    return bool(got == want)

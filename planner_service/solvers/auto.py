@@ -21,6 +21,14 @@ the bound are left out, their predictions not recorded (flashcp holds the bound 
 with its own candidates; the others' plans do not depend on it); if none is left,
 ``KvBoundError`` names the least figure among them, the least bound auto meets.
 
+Under a mask that is not causal in every layer the candidates include ``contiguous_halo``
+and each plan is measured under the mask (core/metrics.py). The step-time model prices
+causal calls only, so there the choice is by the layer-weighted objective instead of
+``est_step_ms``: the candidates whose layer-weighted imbalance is within R, least
+layer-weighted critical-path exchange (``metrics.comm_tokens``) first, ties by
+imbalance then order; if none is within R, the most balanced. Each prediction then also
+records ``weighted_imbalance`` and ``weighted_comm_tokens``.
+
 The candidates are looked up with the ``lookup`` the caller passes (the registry's
 ``get_strategy``), so this module does not import the registry that lists it.
 """
@@ -35,12 +43,15 @@ from planner_service.core.plan import Metrics
 from planner_service.core.profiles import get_kernel_profile
 from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import RING_PATHS, execution_path, held_kv_mode
+from planner_service.solvers.balance import declared
 from planner_service.solvers.fcp_strategy import Intra
 from planner_service.solvers.kv_bound import KvBoundError, kv_floor, plan_peak
 
 HOW = "the least over its candidates, flashcp's being the least of its own candidate plans"
 """``KvBoundError.how`` of ``auto`` (module docstring)."""
 CANDIDATES = ("flashcp", "per_doc", "llama3", "zigzag", "ring")
+WINDOWED = ("contiguous_halo",)
+"""Candidates added under a mask that is not causal."""
 MODES = ("alltoallv", "compact_allgather", "full")
 """The gather exchanges the runtime executes (worker_runtime/layout.py COMM_MODES)."""
 
@@ -66,10 +77,11 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
     modes = candidate_modes(request)
     skipped = []
     bound = request.max_kv_tokens_per_rank
-    best: tuple[float, str, str, Layout] | None = None
+    masked = not request.mask.is_causal
+    best: tuple[tuple[float, ...], str, str, Layout, float] | None = None
     predictions = []
     least: int | None = None  # with a bound: the least figure of the candidates over it
-    for name in CANDIDATES:
+    for name in CANDIDATES + (WINDOWED if masked else ()):
         for mode in modes:
             # Solved per exchange: a strategy's objective may follow comm_mode (flashcp's does).
             try:
@@ -89,6 +101,7 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
                     model=request.model,
                     kernel=request.kernel,
                     link=request.link,
+                    mask=request.mask,
                 )
             except ValueError:
                 if mode != "p2p_ring" or request.comm_mode:
@@ -99,23 +112,35 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
             if bound is not None and plan_peak(plan) > bound:
                 least = plan_peak(plan) if least is None else min(least, plan_peak(plan))
                 continue
-            prediction = {"strategy": name, "comm_mode": mode, "est_step_ms": metrics.est_step_ms}
+            prediction: dict[str, object] = {"strategy": name, "comm_mode": mode,
+                                             "est_step_ms": metrics.est_step_ms}
+            if masked:
+                prediction.update(weighted_imbalance=metrics.imbalance,
+                                  weighted_comm_tokens=metrics.comm_tokens)
             if saves_nothing(metrics) and not request.comm_mode:
                 predictions.append({**prediction, "saves_nothing": True})
                 continue
             predictions.append(prediction)
-            if best is None or metrics.est_step_ms < best[0]:
-                best = (metrics.est_step_ms, name, mode, layout)
+            key: tuple[float, ...] = (metrics.est_step_ms,)
+            if masked:
+                within = metrics.imbalance <= request.imbalance_target
+                key = ((0.0, metrics.comm_tokens, metrics.imbalance) if within
+                       else (1.0, metrics.imbalance))
+            if best is None or key < best[0]:
+                best = (key, name, mode, layout, metrics.imbalance)
     if best is None:
         assert bound is not None and least is not None
         raise KvBoundError(bound, least, HOW,
                            min(kv_floor(doc_lengths, request.cp_size, held_kv_mode(request.kernel, mode))
                                for mode in modes))
-    _, name, mode, layout = best
+    _, name, mode, layout, reached = best
+    # Under a mask the chosen plan's R is that of its weighted work (any candidate's).
+    info = declared(layout.info, (reached,), request.imbalance_target) if masked \
+        else layout.info
     return Layout(
         layout.groups,
         {
-            **layout.info,
+            **info,
             "chosen": name,
             "comm_mode": mode,
             "kernel_profile": request.kernel,

@@ -22,6 +22,9 @@ least the least peak of the list, the figure its ``KvBoundError`` names. Chosen:
 candidate over the request's R says so (``balance.declared``). Cost:
 up to ``2 + len(LOOSER_TARGETS)`` flashcp solves and one ``memory_first`` pass, each
 measured in O(s) (s shards); only the first runs when it meets the bound.
+
+Under a mask that is not causal in every layer, the strategy is
+``flashcp_masked.masked_flashcp_layout``: this module's layout is its first candidate.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import held_kv_mode
 from planner_service.solvers.balance import declared
 from planner_service.solvers.flashcp import flashcp_layout
+from planner_service.solvers.flashcp_masked import masked_flashcp_layout
 from planner_service.solvers.kv_bound import Candidate, first_within
 from planner_service.solvers.memory_first import memory_first_shards
 
@@ -67,7 +71,16 @@ def flashcp_candidates(doc_lengths: Sequence[int], request: PlanRequest) -> list
 
 def bounded_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
     """The registry's ``flashcp``: ``flashcp_layout``, or with a bound the first candidate
-    within it (module docstring). Raises ``kv_bound.KvBoundError`` if none is."""
+    within it (module docstring), chosen among more candidates by the layer-weighted
+    objective under a mask (``flashcp_masked``). Raises ``kv_bound.KvBoundError`` if none
+    is within the bound."""
+    if not request.mask.is_causal:
+        return masked_flashcp_layout(doc_lengths, request, causal_flashcp_layout)
+    return causal_flashcp_layout(doc_lengths, request)
+
+
+def causal_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
+    """``flashcp_layout``, or with a bound the first candidate within it."""
     bound = request.max_kv_tokens_per_rank
     if bound is None:
         return flashcp_layout(doc_lengths, request)

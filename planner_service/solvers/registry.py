@@ -23,11 +23,17 @@ from planner_service.solvers.baselines import llama3_layout, per_doc_layout, rin
 from planner_service.solvers.contiguous_halo import contiguous_halo_layout
 from planner_service.solvers.flashcp import paper_layout
 from planner_service.solvers.flashcp_bounded import bounded_flashcp_layout
+from planner_service.solvers.flashcp_masked import redeclared
 from planner_service.solvers.gc_pause import paused_gc
 from planner_service.solvers.kv_bound import FIELD as KV_FIELD
-from planner_service.solvers.kv_bound import check_plan
+from planner_service.solvers.kv_bound import check_plan, listed
 
 Solver = Callable[[Sequence[int], PlanRequest], Layout]
+
+CAUSAL_BALANCERS = frozenset({"flashcp_paper", "ilp", "fcp"})
+"""Strategies that take R but balance causal work: under a mask their plan's balance
+declaration is recomputed from the layer-weighted work (``flashcp_masked.redeclared``);
+flashcp and auto declare it themselves."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -284,6 +290,8 @@ def _solve(request: PlanRequest, check: bool) -> Plan:
     strategy = checked_strategy(request)
     doc_lengths, truncated = request.packed()
     layout = strategy.solver(doc_lengths, request)
+    if not request.mask.is_causal and strategy.name in CAUSAL_BALANCERS:
+        layout = redeclared(listed(layout), request)
     if truncated:
         layout = Layout(layout.groups, {**layout.info, "truncated_tokens": truncated})
     if request.max_kv_tokens_per_rank is not None:
@@ -299,6 +307,7 @@ def _solve(request: PlanRequest, check: bool) -> Plan:
         model=request.model,
         kernel=request.kernel,
         link=request.link,
+        mask=request.mask,
     )
     check_plan(plan, request.max_kv_tokens_per_rank)
     if check:

@@ -1,0 +1,150 @@
+"""Strategy ``flashcp`` under an attention mask that is not causal in every layer.
+
+flashcp's passes balance causal work; a windowed layer's work is nearly linear in tokens
+once documents exceed the window, so the plan that balances the causal work is not the
+one that balances the layer-weighted work ``sum_g count_g work_g`` (core/window_work.py),
+and its exchange is priced by prefixes where a windowed layer moves only halos. Here the
+layouts of a fixed candidate list are priced under the request's mask and the best by
+the weighted objective wins:
+
+1. ``flashcp``: the causal plan at the request's R and exchange (``flashcp_bounded``:
+   with ``max_kv_tokens_per_rank``, its own bounded candidates);
+2. ``contiguous_halo``: N contiguous equal-token ranges (the halo baseline);
+3. ``flashcp R=<r>`` at each looser causal target of ``LOOSER`` (R's slack times each
+   factor), tried when a candidate above meets R on the weighted work: windowed layers
+   dilute the causal imbalance, so a looser causal R may still meet R under the mask
+   with fewer documents split (less exchange);
+4. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
+   tried in order only while no candidate meets R on the weighted work.
+
+Objective: among the candidates whose layer-weighted imbalance is at most R, the least
+layer-weighted critical-path exchange in the request's mode (``MaskFigures.comm_tokens``:
+``sum_g count_g max_i recv_g[i]``), ties by imbalance then list order; if none meets R,
+the most balanced (the info then declares the miss, ``balance.declared``). With a KV
+bound a candidate over it is left out (the mask's peak is its causal layer's: a window's
+receive is within the causal prefix). The plan's info names the choice
+(``mask_candidate``) and every candidate's figures (``mask_candidates``).
+
+Cost: up to ``1 + len(LOOSER)`` or ``1 + len(TIGHTER)`` flashcp solves, one contiguous
+pass (O(D + N)) and one per_doc pass, each priced in O(G s log s) for G windows and s
+shards (``window_work.mask_figures_of``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import NamedTuple
+
+from planner_service.core import window_work as ww
+from planner_service.core.build import Layout, canonical_group
+from planner_service.core.cost import imbalance
+from planner_service.core.metrics import int_arrays
+from planner_service.core.request import PlanRequest
+from planner_service.solvers.balance import declared
+from planner_service.solvers.baselines import per_doc_layout
+from planner_service.solvers.contiguous_halo import contiguous_halo_layout
+from planner_service.solvers.flashcp import flashcp_layout
+from planner_service.solvers.kv_bound import layout_peak, listed
+
+LOOSER = (2.0, 3.0, 5.0)
+"""Causal targets tried above R, as multiples of R's slack (R = 1.05: 1.10, 1.15, 1.25)."""
+TIGHTER = (0.5, 0.25)
+"""Causal targets tried below R, as shares of R's slack (R = 1.05: 1.025, 1.0125)."""
+
+
+class Priced(NamedTuple):
+    """A candidate layout's figures under the mask."""
+
+    name: str
+    layout: Layout
+    imbalance: float
+    """Layer-weighted imbalance over all grouped ranks."""
+    comm_tokens: int
+    """Layer-weighted critical-path exchange, the worst group's."""
+
+
+def price(name: str, layout: Layout, request: PlanRequest, mode: str) -> Priced:
+    """``layout`` under the request's mask in ``mode``. O(G s log s)."""
+    work: list[int] = []
+    comm = 0
+    for group in layout.groups:
+        shards, arrays = canonical_group([list(rank) for rank in group.shards])
+        if arrays is None:
+            arrays = int_arrays(shards)
+        tokens = max(sum(s.end - s.start for s in rank) for rank in shards)
+        figures = ww.mask_figures_of(arrays, request.mask, comm_mode=mode,
+                                     tokens_per_rank=tokens)
+        work += figures.workload
+        comm = max(comm, figures.comm_tokens)
+    return Priced(name, layout, imbalance(work), comm)
+
+
+def group_imbalances(layout: Layout, request: PlanRequest) -> list[float]:
+    """Each group's layer-weighted imbalance under the request's mask. O(G s log s)."""
+    mode = request.comm_mode or "alltoallv"
+    return [price("", Layout([group], {}), request, mode).imbalance for group in layout.groups]
+
+
+def redeclared(layout: Layout, request: PlanRequest) -> Layout:
+    """A layout of a strategy that balances causal work (flashcp_paper, ilp, fcp), its
+    ``balance.declared`` fields recomputed from the layer-weighted work under the
+    request's mask, so a plan whose weighted imbalance misses R says so (and one that
+    meets it carries neither field). O(G s log s)."""
+    info = {k: v for k, v in layout.info.items()
+            if k not in ("imbalance_target_met", "imbalance_reached")}
+    return Layout(layout.groups, declared(info, group_imbalances(layout, request),
+                                          request.imbalance_target))
+
+
+def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
+                          base: Callable[[Sequence[int], PlanRequest], Layout]) -> Layout:
+    """The candidate with the best weighted objective (module docstring); ``base`` is
+    flashcp's causal strategy (``flashcp_bounded.bounded_flashcp_layout``)."""
+    mode = request.comm_mode or "alltoallv"
+    target = request.imbalance_target
+    bound = request.max_kv_tokens_per_rank
+    slack = target - 1.0
+    priced: list[Priced] = []
+
+    def attempt(name: str, make: Callable[[], Layout]) -> None:
+        layout = listed(make())
+        if bound is not None and layout_peak(layout, mode) > bound:
+            return
+        priced.append(price(name, layout, request, mode))
+
+    def met() -> bool:
+        return any(p.imbalance <= target for p in priced)
+
+    def causal_at(r: float) -> Callable[[], Layout]:
+        return lambda: flashcp_layout(doc_lengths, replace(request, imbalance_target=r))
+
+    priced.append(price("flashcp", listed(base(doc_lengths, request)), request, mode))
+    attempt("contiguous_halo", lambda: contiguous_halo_layout(doc_lengths, request))
+    if met():
+        for factor in LOOSER:
+            r = min(100.0, 1.0 + factor * slack)
+            attempt(f"flashcp R={r:g}", causal_at(r))
+    else:
+        for share in TIGHTER:
+            r = 1.0 + share * slack
+            attempt(f"flashcp R={r:g}", causal_at(r))
+            if met():
+                break
+        if not met():
+            attempt("per_doc", lambda: per_doc_layout(doc_lengths, request))
+    within = [p for p in priced if p.imbalance <= target]
+    if within:
+        best = min(within, key=lambda p: (p.comm_tokens, p.imbalance))
+    else:
+        best = min(priced, key=lambda p: p.imbalance)
+    info = {k: v for k, v in best.layout.info.items()
+            if k not in ("imbalance_target_met", "imbalance_reached")}
+    info.update({
+        "imbalance_target": target,
+        "objective": mode,
+        "mask_candidate": best.name,
+        "mask_candidates": [{"candidate": p.name, "weighted_imbalance": p.imbalance,
+                             "weighted_comm_tokens": p.comm_tokens} for p in priced],
+    })
+    return Layout(best.layout.groups, declared(info, (best.imbalance,), target))
