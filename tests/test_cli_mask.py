@@ -54,7 +54,6 @@ def test_the_mask_flags_reach_the_plan() -> None:
     (("--layers", "1.5x10"), "--layers"),
     (("--window", "5", "--layers", "1x5"), "exclusive"),
     (("--hf-config", "/nonexistent/config.json"), "--hf-config"),
-    (("--layers", "1x5", "--url", "http://127.0.0.1:9"), "locally only"),
 ])
 def test_bad_mask_flags_end_with_one_line(flags: tuple[str, ...], names: str) -> None:
     assert names in one_line_error(*flags)

@@ -156,9 +156,6 @@ def plan(
 ) -> None:
     """Plan one packed sequence and print per-rank shards and metrics."""
     mask = mask_of(window, layers, hf_config)
-    if url and not mask.is_causal:
-        raise fail("--window, --layers and --hf-config plan locally only: the service does "
-                   "not read a mask yet (leave out --url)")
     seq = _sequences(docs, dataset, context, 1, seed)[0]
     request = PlanRequest(
         doc_lengths=tuple(seq),

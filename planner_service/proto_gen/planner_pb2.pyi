@@ -23,7 +23,7 @@ class ModelSpec(_message.Message):
     def __init__(self, num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype_bytes: _Optional[int] = ..., hidden_size: _Optional[int] = ..., ffn_hidden_size: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("doc_lengths", "cp_size", "strategy", "context_length", "truncate", "imbalance_target", "comm_mode", "model", "kernel", "link", "options_json", "max_kv_tokens_per_rank")
+    __slots__ = ("doc_lengths", "cp_size", "strategy", "context_length", "truncate", "imbalance_target", "comm_mode", "model", "kernel", "link", "options_json", "max_kv_tokens_per_rank", "window", "layers")
     DOC_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     CP_SIZE_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class PlanRequest(_message.Message):
     LINK_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_KV_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     doc_lengths: _containers.RepeatedScalarFieldContainer[int]
     cp_size: int
     strategy: str
@@ -48,7 +50,17 @@ class PlanRequest(_message.Message):
     link: str
     options_json: str
     max_kv_tokens_per_rank: int
-    def __init__(self, doc_lengths: _Optional[_Iterable[int]] = ..., cp_size: _Optional[int] = ..., strategy: _Optional[str] = ..., context_length: _Optional[int] = ..., truncate: _Optional[bool] = ..., imbalance_target: _Optional[float] = ..., comm_mode: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., kernel: _Optional[str] = ..., link: _Optional[str] = ..., options_json: _Optional[str] = ..., max_kv_tokens_per_rank: _Optional[int] = ...) -> None: ...
+    window: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerGroup]
+    def __init__(self, doc_lengths: _Optional[_Iterable[int]] = ..., cp_size: _Optional[int] = ..., strategy: _Optional[str] = ..., context_length: _Optional[int] = ..., truncate: _Optional[bool] = ..., imbalance_target: _Optional[float] = ..., comm_mode: _Optional[str] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., kernel: _Optional[str] = ..., link: _Optional[str] = ..., options_json: _Optional[str] = ..., max_kv_tokens_per_rank: _Optional[int] = ..., window: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ...) -> None: ...
+
+class LayerGroup(_message.Message):
+    __slots__ = ("window", "count")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    count: int
+    def __init__(self, window: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PlanMetrics(_message.Message):
     __slots__ = ("imbalance", "comm_tokens", "full_comm_tokens", "comm_saving", "est_step_ms", "tokens_per_rank")

@@ -25,6 +25,11 @@ def request_to_dict(msg: Any) -> dict[str, Any]:
         data["imbalance_target"] = msg.imbalance_target
     if msg.HasField("max_kv_tokens_per_rank"):
         data["max_kv_tokens_per_rank"] = msg.max_kv_tokens_per_rank
+    if msg.HasField("window"):
+        data["window"] = msg.window
+    if msg.layers:
+        data["layers"] = [{"window": g.window if g.HasField("window") else None, "count": g.count}
+                          for g in msg.layers]
     if msg.comm_mode:
         data["comm_mode"] = msg.comm_mode
     if msg.HasField("model"):
@@ -49,7 +54,7 @@ def dict_to_request(pb2: Any, data: dict[str, Any]) -> Any:
     cannot carry (so the client fails loudly instead of sending something else)."""
     known = {"doc_lengths", "cp_size", "strategy", "context_length", "truncate",
              "imbalance_target", "comm_mode", "model", "kernel", "link", "options",
-             "max_kv_tokens_per_rank"}
+             "max_kv_tokens_per_rank", "window", "layers"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise FieldError(unknown[0], f"request has fields the planner does not know: "
@@ -67,6 +72,12 @@ def dict_to_request(pb2: Any, data: dict[str, Any]) -> Any:
         msg.imbalance_target = data["imbalance_target"]
     if data.get("max_kv_tokens_per_rank") is not None:
         msg.max_kv_tokens_per_rank = data["max_kv_tokens_per_rank"]
+    if data.get("window") is not None:
+        msg.window = data["window"]
+    for group in data.get("layers") or ():
+        layer = msg.layers.add(count=group.get("count", 0))
+        if group.get("window") is not None:
+            layer.window = group["window"]
     if data.get("model"):
         msg.model.SetInParent()
         for name, value in data["model"].items():

@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from planner_service.core.errors import FieldError
+from planner_service.core.mask import CAUSAL, parse_mask
 from planner_service.core.model import DTYPE_BYTES, MAX_DIM, ModelSpec
 from planner_service.core.plan import canonical_json
 from planner_service.core.profiles import default_kernel_name
@@ -167,6 +168,12 @@ class PlanRequestIn(BaseModel):
         None, ge=1, le=MAX_TOKENS, description="Bound on every rank's KV peak "
         "(rank_stats.kv_tokens_peak); a strategy meets it or answers 422 naming the smallest "
         "bound it can meet. Default: no bound")
+    window: StrictInt | None = Field(
+        None, description="The model's attention: a sliding window of this many keys in every "
+        "layer (null or absent: causal). Exclusive with layers (docs/windows.md)")
+    layers: list[dict[str, Any]] | None = Field(
+        None, max_length=64, description='Or a mix: [{"window": 1024, "count": 5}, '
+        '{"window": null, "count": 1}] (docs/windows.md)')
 
 
 class CompareRequestIn(PlanRequestIn):
@@ -333,12 +340,15 @@ def to_plan_request(body: PlanRequestIn, limits: Limits, *, strategy: str | None
         check_time_limit(body.options["time_limit_s"], "options.time_limit_s",
                          limits.max_time_limit_s, "PLANNER_MAX_TIME_LIMIT_S")
     model = ModelSpec(**body.model.model_dump(exclude_none=True)) if body.model else ModelSpec()
+    mask = parse_mask(window=body.window, layers=body.layers,
+                      has_window="window" in body.model_fields_set)
     return PlanRequest(
         doc_lengths=tuple(body.doc_lengths), cp_size=body.cp_size,
         strategy=strategy or body.strategy, context_length=body.context_length,
         truncate=body.truncate, imbalance_target=body.imbalance_target,
         comm_mode=body.comm_mode, model=model, kernel=body.kernel, link=body.link,
         options=dict(body.options), max_kv_tokens_per_rank=body.max_kv_tokens_per_rank,
+        mask=mask,
     )
 
 
@@ -364,8 +374,8 @@ def parse_plan_request(data: Any, limits: Limits) -> PlanRequest:
 
 def request_dict(request: PlanRequest) -> dict[str, Any]:
     """Every field of a core request, defaults included, as JSON-able data; but
-    ``max_kv_tokens_per_rank`` only when set, so a request without it keeps its content
-    hash (``request_key``)."""
+    ``max_kv_tokens_per_rank`` only when set and the mask (``layers``) only when not causal,
+    so a request without them keeps its content hash (``request_key``)."""
     data = {
         "doc_lengths": list(request.doc_lengths), "cp_size": request.cp_size,
         "strategy": request.strategy, "context_length": request.context_length,
@@ -375,6 +385,8 @@ def request_dict(request: PlanRequest) -> dict[str, Any]:
     }
     if request.max_kv_tokens_per_rank is not None:
         data["max_kv_tokens_per_rank"] = request.max_kv_tokens_per_rank
+    if request.mask != CAUSAL:
+        data["layers"] = request.mask.to_list()
     return data
 
 
