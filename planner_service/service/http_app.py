@@ -137,7 +137,7 @@ def create_app(settings: Settings | None = None, service: PlannerService | None 
         return Response(text, media_type=JSON)
 
     @app.post("/v1/schedule", responses=ERRORS, tags=["plans"],
-              summary="FCP: schedule a batch of sequences (501 until FCP is installed)",
+              summary="FCP: schedule a batch of sequences into CP groups",
               openapi_extra=body_doc(ScheduleRequestIn))
     async def schedule(request: Request, deadline_ms: DeadlineHeader = None) -> Response:
         raw = await request.body()
