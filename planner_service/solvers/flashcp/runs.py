@@ -166,10 +166,7 @@ def place_run_exact(
                     steps, burst = burst, min(2 * burst, RUN_BLOCK[1])
                 continue
             chosen, stop = found
-            # A block placed in part (keys crossing beyond it): the next one about twice
-            # the part.
-            grown = 2 * block if len(chosen) == count else 2 * len(chosen)
-            block, burst = min(max(grown, RUN_BLOCK[0]), EXACT_BLOCK), RUN_BLOCK[0]
+            block, burst = min(2 * block, EXACT_BLOCK), RUN_BLOCK[0]
         else:  # one at a time: after a failed block, above h, or flat keys that would round
             count = min(steps or RUN_BLOCK[1], len(rest))
             chosen, stop = single_steps(work, tokens, cap, length, allowed, rest[:count])
