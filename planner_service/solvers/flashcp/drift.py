@@ -1,28 +1,20 @@
-"""Blocks of a run of equal docs whose ranks' keys cross as the density falls (``runs.py``'s
-least-key rule: each doc of L tokens, w = L (L + 1) / 2 work, to the rank with room of
-least key A - B d, A its work and B its tokens, d the density after the doc; ties to the
-lowest rank).
+"""The ranks a run of equal docs will likely go to where the ranks' keys cross as the
+density falls (``runs.py``'s least-key rule: each doc of L tokens, w = L (L + 1) / 2 work,
+to the rank with room of least key A - B d, A its work and B its tokens, d the density
+after the doc; ties to the lowest rank).
 
 Where the ranks' token counts differ widely, a key's slope B differs from rank to rank:
 as d falls along the run, the ranks holding fewer tokens come up more often than at the
-block's first density, and ``runs.sloped_block``'s certificate (one order at every density
-of the block) fails. Here each doc is checked at its own density instead:
+block's first density, and a prediction at one density misses within a few docs.
+``drift_ranks`` predicts with the fall: every rank's next docs (its j-th: A + j w - (B + j
+L) d) ordered by their keys, each at the density of its place in the order, the order
+redone from those keys a few times (``DRIFT_ROUNDS``), then neighbours compared at the
+earlier one's density and swapped where out of order (``DRIFT_SWAPS`` odd-even passes at
+most). O(M log M + DRIFT_SWAPS x K) for M = O(K + N) candidate docs (at most 3K + 16 +
+``FEW_SPARE`` x N) of K predicted on N ranks.
 
-- ``drift_ranks`` predicts the ranks: every rank's next docs (its j-th: A + j w - (B + j L)
-  d) ordered by their keys, each at the density of its place in the order, the order then
-  redone from those keys a few times (``DRIFT_ROUNDS``). O(M log M) for M = K + 2N
-  candidate docs of K placed.
-- ``drift_certified`` certifies them: at the i-th doc every other rank's next doc (the
-  doc it takes next in the block, or after it) must have a key above the i-th doc's key
-  at d_i, by more than a margin bounding both keys' rounding (``runs.MARGIN``), so the
-  predicted rank is the rule's choice. Densities never rise along the block (longest
-  first), and a key never falls as d falls, so a doc's key at the start of a stretch of
-  steps bounds its keys over the stretch from below: the check is made per stretch of at
-  most ``DRIFT_STRETCH`` steps against the most any doc of the stretch picks (a range
-  maximum, ``np.maximum.reduceat``-free sparse table). O((K + N) log K + K N /
-  DRIFT_STRETCH).
-
-Only a certified prediction is placed, so the rule and its docs are unchanged.
+Only a prediction: ``few.place_run`` checks every doc against the keys of all ranks and
+places only the rule's ranks, so plans do not depend on it.
 """
 
 from __future__ import annotations
@@ -35,12 +27,9 @@ FEW_RANKS = 16
 """Active ranks up to which each rank's next docs, up to twice its share and
 ``FEW_SPARE``, are the candidates (no level search)."""
 FEW_SPARE = 16
+"""Candidate docs per rank beyond twice its share (``FEW_RANKS``)."""
 DRIFT_SWAPS = 64
 """Most odd-even passes of neighbour swaps after the reordering."""
-DRIFT_STRETCH = 32
-"""Most steps of the block over which one lower bound of a doc's key is checked."""
-DRIFT_STEP_CHECKS = 8
-"""Steps checked one by one, per doc and rank of the block, before giving up."""
 
 
 def _level_counts(keys: np.ndarray, step: float, fits: np.ndarray, count: int) -> np.ndarray:
@@ -67,7 +56,8 @@ def drift_ranks(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, length: 
                 densities: np.ndarray) -> np.ndarray | None:
     """The predicted ranks of the block's docs (one per density, every density below
     (L + 1) / 2 and none above the one before), or None if fewer docs fit. Only a
-    prediction (``drift_certified`` checks it). O(M log M), M = K + 2N."""
+    prediction (``few.place_run`` checks it). O(M log M + DRIFT_SWAPS x K) for M
+    candidate docs (module docstring)."""
     count = len(densities)
     doc_work = length * (length + 1) // 2
     active = np.flatnonzero(fits)
@@ -79,7 +69,7 @@ def drift_ranks(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, length: 
     # Candidates: each rank's docs among the least ``more`` (half as many again) at
     # either end density.
     more = min(int(room.sum()), count + count // 2 + 8)
-    if len(active) <= FEW_RANKS:  # every rank's next ``more`` docs: few candidates
+    if len(active) <= FEW_RANKS:  # each rank's next docs up to twice its share, and more
         most = np.minimum(room, 2 * more // len(active) + FEW_SPARE)
     else:
         most = np.maximum(

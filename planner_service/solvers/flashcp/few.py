@@ -6,7 +6,7 @@ ranks).
 
 A block of K docs is predicted (``drift.drift_ranks`` where the density falls along the
 block, as longest first; else ``run_ranks``, at the block's first density), then checked
-in stretches of ``CHECK_ROWS`` docs: every doc's rank against the keys of all N ranks given
+in stretches of ``CHECK_ROWS`` docs (fewer after a miss): every doc's rank against the keys of all N ranks given
 the ranks before it (exact: the workload is below ``runs.EXACT``). The docs up to the first
 miss are placed, and the miss itself by the keys checked; the prediction after it is
 repaired (the rank found moved up to the miss, the rank predicted there put next) and the
@@ -15,8 +15,9 @@ at a doc no rank takes whole (left to ``place``'s loop) or when a block places f
 ``runs.RUN_BLOCK``'s smallest (the keys cross too often for blocks: ``place``'s loop goes
 on doc by doc).
 
-Complexity per block of K docs: the prediction O(M log M), M = K + 2N; the checks
-O((K + c x CHECK_ROWS) N) for c misses; O(K log K + N) to add the shards.
+Complexity per block of K docs on N ranks: the prediction O(M log M + K), M = O(K + N)
+(``drift.py``); the checks O((K + c x CHECK_ROWS[1]) N) for c misses (each checks at most
+that many rows again; c <= MISSES x K + 1, so O(K N)); O(K log K + N) to add the shards.
 """
 
 from __future__ import annotations
