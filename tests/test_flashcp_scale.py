@@ -363,7 +363,7 @@ def test_mirrored_arrays_equal_a_fresh_conversion(n, data):
 )
 def test_place_with_long_runs_of_equal_docs_equals_the_plain_scan(runs, n, target, fill_aware,
                                                                   shuffle):
-    """Runs of at least ``runs.RUN_MIN`` equal docs go by ``runs.place_run``: the same
+    """Runs of at least ``runs.RUN_MIN`` equal docs go by ``few.place_run``: the same
     layout as the plain scan, doc by doc."""
     doc_lengths = [length for length, count in runs for _ in range(count)]
     order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))

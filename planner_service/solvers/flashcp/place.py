@@ -22,7 +22,7 @@ request in the worst case, and O(N) to cut it. ``finish``: ``refine.exchange``.
 
 Runs of at least ``runs.RUN_MIN`` equal docs (many short docs) go in blocks
 (``runs.py``). On N <= ``REFRESH`` ranks, where the heap yields the rank of least current
-key, ``runs.place_run`` places them as the heap would, O(N) numpy work per doc. On more
+key, ``few.place_run`` places them as the heap would, O(N) numpy work per doc. On more
 ranks the density changes from doc to doc along a run, every stored key goes stale and
 the heap would spend its ``REFRESH`` steps on most docs and still be inexact;
 ``runs.place_run_exact`` places them by the exact rule (least current key, lowest rank on
@@ -43,6 +43,7 @@ import numpy as np
 
 from planner_service.core.cost import alltoallv_receives, imbalance
 from planner_service.core.plan import Shard
+from planner_service.solvers.flashcp.few import place_run
 from planner_service.solvers.flashcp.nested import nested_zigzag
 from planner_service.solvers.flashcp.paper import split_spill
 from planner_service.solvers.flashcp.ranks import Ranks, new_shard, zigzag
@@ -51,7 +52,6 @@ from planner_service.solvers.flashcp.runs import (
     EXACT,
     RUN_MIN,
     RUN_RETRY,
-    place_run,
     place_run_exact,
     run_heads,
 )

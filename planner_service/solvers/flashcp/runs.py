@@ -8,9 +8,10 @@ is below ``EXACT``.
 
 ``run_heads`` finds the runs of at least ``RUN_MIN`` docs, O(D). Two block placements:
 
-- ``place_run``, on N <= ``place.REFRESH`` ranks (where ``place``'s heap yields the least
-  key, so both agree): ranks predicted at a constant density (``run_ranks``), every doc
-  checked against the keys of all ranks. O(K N) per block of K docs, in numpy.
+- ``few.place_run``, on N <= ``place.REFRESH`` ranks (where ``place``'s heap yields the
+  least key, so both agree): ranks predicted (``drift.drift_ranks``, or at a constant
+  density), every doc checked against the keys of all ranks. O(K N) per block of K docs,
+  in numpy (``few.py``).
 - ``place_run_exact``, on more ranks, where ``place``'s heap refreshes only ``REFRESH``
   stale keys per doc and so is inexact while the density changes from doc to doc: the
   least-key rule itself, without checking every rank per doc. A rank's key before its
@@ -65,7 +66,7 @@ RUN_RETRY = 64
 """Docs of a run placed one by one after a block placement stops short, before it is
 tried again (on more than ``place.REFRESH`` ranks, doubled at each try)."""
 RUN_BLOCK = (64, 4096)
-"""Smallest and largest block of docs ``place_run`` checks at once; the smallest block
+"""Smallest and largest block of docs ``few.place_run`` checks at once; the smallest block
 ``place_run_exact`` certifies, and the fewest and most docs it places one at a time
 before trying blocks again."""
 EXACT_BLOCK = 1 << 16
@@ -107,109 +108,6 @@ def run_heads(doc_lengths: Sequence[int] | np.ndarray,
     long = sizes >= RUN_MIN
     return {order[at]: (at, size) for at, size in zip(starts[long].tolist(), sizes[long].tolist(),
                                                       strict=True)}
-
-
-def place_run(
-    length: int, docs: Sequence[int], ranks: Ranks, allowed: float, rest_tokens: int,
-    rest_work: int,
-) -> RunPlaced:
-    """Place a leading part of a run of equal docs (each ``length`` tokens, in order) as
-    ``place``'s loop would on N <= ``REFRESH`` ranks, where it takes for each doc the rank
-    with room of the least key work - tokens x density (ties: the lowest rank), whole if
-    that rank stays within ``allowed``. Returns (docs placed, the ranks given docs, the
-    tokens and workload left unplaced, the density after the last doc placed).
-
-    Blocks of docs at once (all figures exact: the workload is below ``EXACT``): the ranks
-    are predicted as if the density stayed at the block's first (``run_ranks``), then every
-    doc's rank is checked by the keys of all ranks given the predicted ranks before it;
-    the docs up to the first miss are placed, and the miss itself by the keys checked. It
-    stops at a doc no rank can take whole (left to ``place``'s loop) or when checks miss
-    early (``RUN_BLOCK``'s smallest block). O(K N) per block of K docs, in numpy."""
-    n = len(ranks.work)
-    doc_work = length * (length + 1) // 2
-    cap, shards, tokens, work = ranks.capacity, ranks.shards, ranks.tokens, ranks.work
-    state_work = np.array(work, dtype=np.int64)
-    state_tokens = np.array(tokens, dtype=np.int64)
-    placed, block, density = 0, RUN_BLOCK[0], 0.0
-    changed: set[int] = set()
-    while placed < len(docs):
-        k = min(block, len(docs) - placed)
-        # The density after each doc of the block, as ``place`` computes it (exact: both
-        # sides below 2^53, one rounding).
-        steps = np.arange(1, k + 1, dtype=np.int64)
-        left_tokens, left_work = rest_tokens - steps * length, rest_work - steps * doc_work
-        densities = np.zeros(k)
-        some = left_tokens > 0
-        densities[some] = left_work[some] / left_tokens[some]
-        predicted = run_ranks(state_work, state_tokens, cap, length, doc_work,
-                              float(densities[0]), k)
-        # Work and tokens of every rank before each doc, given the predicted ranks.
-        given = np.zeros((k, n), dtype=np.int64)
-        given[np.arange(k), predicted] = 1
-        before = np.cumsum(given, axis=0) - given
-        work_before = state_work + before * doc_work
-        tokens_before = state_tokens + before * length
-        keys = work_before.astype(np.float64) - tokens_before.astype(np.float64) * densities[:, None]
-        room = tokens_before <= cap - length
-        keys[~room] = np.inf
-        best = keys.argmin(axis=1)
-        rows = np.arange(k)
-        whole = room[rows, best] & (work_before[rows, best] + doc_work <= allowed)
-        missed = np.flatnonzero(~whole | (best != predicted))
-        if not len(missed):
-            count, stop = k, False
-        elif whole[missed[0]]:  # mispredicted: its rank is the one checked (all before hit)
-            count, stop = int(missed[0]) + 1, False
-        else:  # no rank takes it whole
-            count, stop = int(missed[0]), True
-        if count:
-            chosen = best[:count]
-            block_docs = np.asarray(docs[placed:placed + count], dtype=np.int64)
-            for r in np.unique(chosen).tolist():
-                mine = block_docs[chosen == r].tolist()
-                shards[r].extend(map(new_shard, repeat(Shard), zip(mine, repeat(0), repeat(length))))
-                tokens[r] += len(mine) * length
-                work[r] += len(mine) * doc_work
-                state_tokens[r] = tokens[r]
-                state_work[r] = work[r]
-                changed.add(r)
-            placed += count
-            rest_tokens -= count * length
-            rest_work -= count * doc_work
-            density = float(densities[count - 1])
-        if stop or count < min(k, RUN_BLOCK[0]):
-            break
-        block = min(2 * block, RUN_BLOCK[1]) if count == k else max(RUN_BLOCK[0], count)
-    return RunPlaced(placed, sorted(changed), rest_tokens, rest_work, density)
-
-
-def run_ranks(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, doc_work: int,
-              density: float, count: int) -> np.ndarray:
-    """The ranks ``place_run`` expects the next ``count`` equal docs to go to, were the
-    density to stay at ``density``: each doc to the rank of least key work - tokens x
-    density with room, a doc adding doc_work - length x density to its rank's key (the
-    same step for every rank), so the ranks take turns in the order of their keys' offsets
-    modulo that step; with no positive step, the least key takes docs until it is full.
-    Only a prediction (``place_run`` checks it). O(count N) in numpy."""
-    n = len(work)
-    keys = work.astype(np.float64) - tokens.astype(np.float64) * density
-    fits = np.minimum(np.maximum((cap - tokens) // length, 0), count)  # docs each can take
-    step = doc_work - length * density
-    ranks = np.arange(n)
-    with np.errstate(over="ignore", invalid="ignore"):
-        phase = (keys - keys.min()) / step if step > 0 else np.full(n, np.inf)
-    if not np.isfinite(phase).all():
-        by_key = np.lexsort((ranks, keys))
-        out = np.repeat(by_key, fits[by_key])
-    else:
-        lead = np.minimum(np.floor(phase), count).astype(np.int64)  # turns before its first
-        turn = np.lexsort((ranks, phase - np.floor(phase)))
-        level = np.arange(count)[:, None]
-        takes = (lead[turn] <= level) & (level < lead[turn] + fits[turn])
-        out = np.broadcast_to(turn, takes.shape)[takes]
-    out = out[:count]
-    return np.concatenate((out, np.zeros(count - len(out), dtype=np.int64))) if len(out) < count else out
-
 
 
 def run_densities(length: int, count: int, rest_tokens: int, rest_work: int) -> np.ndarray:
