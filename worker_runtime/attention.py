@@ -53,7 +53,13 @@ from worker_runtime import dispatch as _dispatch
 from worker_runtime.aten_flash import RUNTIME_KERNELS, choose_kernel, kernel_record
 from worker_runtime.comm import CommCounter, Exchanger, KVExchange
 from worker_runtime.groups import group_cache
-from worker_runtime.kernels import VarlenMeta, build_meta, uses_flash, varlen_attention
+from worker_runtime.kernels import (
+    VarlenMeta,
+    build_meta,
+    check_window,
+    uses_flash,
+    varlen_attention,
+)
 from worker_runtime.layout import (
     COMM_MODES,
     CommMap,
@@ -75,6 +81,7 @@ from worker_runtime.segkernels import (
 )
 from worker_runtime.segring import SegmentRingAttention, build_segment_ring_state
 from worker_runtime.sinks import GatheredSinkAttention, check_sink
+from worker_runtime.windows import run_windowed
 
 VERIFY = ("first", "always", "never")
 FLASH_PATHS = ("segments", "gathered")
@@ -100,9 +107,9 @@ class _DeviceState(NamedTuple):
     kv_index: torch.Tensor
     exchanger: Exchanger
     lean: LeanState
-    paths: dict[tuple[str, str], Any]
+    paths: dict[tuple[Any, ...], Any]
     """The ring's, segments path's and segment ring's state per (path, segment kernel
-    name), built on first use."""
+    name), and per (path, kernel name, window) for sliding-window calls; built on first use."""
 
 
 class ContextParallelAttention:
@@ -232,19 +239,23 @@ class ContextParallelAttention:
     # -- attention ---------------------------------------------------------------------
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-        sink: torch.Tensor | None = None,
+        sink: torch.Tensor | None = None, window: int | None = None,
     ) -> torch.Tensor:
         """Context-parallel attention on local ``q [T, H, D]``, ``k, v [T, G, D]``.
 
         ``sink``: None, or one logit per query head ``[H]`` added to every query's softmax
         denominator (attention sinks, ``sinks.py``; differentiable, each rank's gradient is
-        the part of its own queries). Returns the local output ``[T, H, D]``; padding rows
-        are zero. Raises ValueError for a sink of another shape, CollectiveCheckError on
+        the part of its own queries). ``window``: None (causal) or a sliding window W, the
+        query at doc position p attending keys ``[max(0, p - W + 1), p]`` (transformers'
+        ``sliding_window``; docs/runtime.md, Windows); every rank of the group must pass the
+        same. Returns the local output ``[T, H, D]``; padding rows
+        are zero. Raises ValueError for a sink of another shape or a window below 1, CollectiveCheckError on
         every rank of the group if any rank's inputs do not match the plan (checked on the
         first call, or every call with verify='always').
         """
         lay = self.layout
         check_sink(sink, q.shape[1])
+        window = check_window(window)
         path, segment_kernel = self.execution_path(q)
         self._check(q, k, v, path)
         if lay.group_index < 0:
@@ -253,6 +264,8 @@ class ContextParallelAttention:
             return q * 0 + tied
         state = self._state(q.device)
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        if window is not None:
+            return self._windowed(q, k, v, state, path, segment_kernel, scale, sink, window)
         if path == "segments":
             assert segment_kernel is not None
             seg = self._path_state(state, path, segment_kernel, lambda: build_segment_state(
@@ -373,11 +386,19 @@ class ContextParallelAttention:
         return kern, self._path_state(state, "gathered_sink", kern, lambda: kern.meta(
             lay.cu_seqlens_q, lay.cu_seqlens_k, True, q.device))
 
+    def _windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: _DeviceState,
+                  path: str, segment_kernel: SegmentKernel | None, scale: float,
+                  sink: torch.Tensor | None, window: int) -> torch.Tensor:
+        """A sliding-window call (``windows.py``)."""
+        return run_windowed(self, q, k, v, state, path, segment_kernel, scale, sink, window)
+
     @staticmethod
     def _path_state(state: _DeviceState, path: str, kernel: SegmentKernel | None,
-                    build: Callable[[], Any]) -> Any:
-        """The state of ``path`` with ``kernel`` on ``state``'s device, built once."""
-        key = (path, kernel.name if kernel is not None else "")
+                    build: Callable[[], Any], window: int | None = None) -> Any:
+        """The state of ``path`` with ``kernel`` (and ``window``) on ``state``'s device, built once."""
+        key: tuple[Any, ...] = (path, kernel.name if kernel is not None else "")
+        if window is not None:
+            key += (window,)
         if key not in state.paths:
             state.paths[key] = build()
         return state.paths[key]

@@ -40,6 +40,7 @@ from worker_runtime.kernels import (
     attention_backward,
     attention_forward,
     build_masked_meta,
+    rows_in_window,
 )
 from worker_runtime.layout import RankLayout, expand_ranges
 from worker_runtime.overlap import merge_parts
@@ -105,19 +106,23 @@ def slot_rows(layout: RankLayout, slot: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_ring_state(layout: RankLayout, group: Any, order: Any, counter: CommCounter,
-                     device: torch.device) -> RingState:
+                     device: torch.device, window: int | None = None) -> RingState:
     """Per-step query rows and kernel metadata of one rank (``order[slot]``: the slot's rank
-    inside ``group``)."""
+    inside ``group``; ``window``: a sliding-window layer's masks, a step's queries being
+    those with a key of the block in their window)."""
     r, n, i = layout.num_real, layout.num_ranks, layout.slot
     doc, pos = layout.doc_ids[:r], layout.positions[:r]
     steps = []
     for s in range(1, n):
         key_doc, key_pos = slot_rows(layout, (i - s) % n)
-        rows = rows_seeing(doc, pos, key_doc, key_pos)
-        meta = build_masked_meta(doc[rows], pos[rows], key_doc, key_pos, device)
+        if window is None:
+            rows = rows_seeing(doc, pos, key_doc, key_pos)
+        else:
+            rows = rows_in_window(doc, pos, key_doc, key_pos, window)
+        meta = build_masked_meta(doc[rows], pos[rows], key_doc, key_pos, device, window=window)
         steps.append(RingStep(torch.from_numpy(rows).to(device), meta))
     return RingState(
-        num_real=r, num_ranks=n, local_meta=build_masked_meta(doc, pos, doc, pos, device),
+        num_real=r, num_ranks=n, local_meta=build_masked_meta(doc, pos, doc, pos, device, window=window),
         steps=tuple(steps), link=ring_link(layout, group, order, counter),
     )
 

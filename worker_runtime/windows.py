@@ -1,0 +1,103 @@
+"""Sliding-window layers on every path: ``ContextParallelAttention.attention(..., window=W)``.
+
+A layer of window W lets the query at document position p attend keys
+``[max(0, p - W + 1), p]`` (transformers' ``sliding_window_overlay``: ``kv_idx > q_idx -
+sliding_window``; flash-attn's ``window_size = (W - 1, 0)``). One plan serves every layer
+(token placement is shared); what differs per window is kept here, built on the first call
+of each window and cached by W on the runtime's per-device state:
+
+- the exchange (``window_map.py``): under ``alltoallv`` only the halo, the keys
+  ``[max(0, s - W + 1), s)`` before each own shard ``[s, e)`` held by a peer
+  (``planner_service.core.halo_map``'s transfers); ``full`` and ``compact_allgather`` run
+  the causal comm map (their buffers are the plan's, the windowed masks drop what no
+  window reaches);
+- the lean path (torch kernel, gather modes): its two parts on windowed masks, the remote
+  part's queries being those with a remote key in their window;
+- the ring (torch kernel, ``p2p_ring``): windowed masks per step, the steps whose block
+  holds no key inside any window of this group skipped (no transfer, no kernel; the
+  ring's schedule, ``window_ring_schedule``);
+- the gathered form (a segment kernel's or flash-attn's one causal windowed varlen call
+  on each shard's keys ``[0, e)``): the gathered path, and the segments path and segment
+  ring under a window (their full calls on remote gaps have per-document alignments one
+  flash call cannot window; the gathered call can). It exchanges the causal comm map
+  (a ring plan's bytes as ``full``).
+
+``window=None`` never reaches this module: the causal paths run unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker_runtime.comm import Exchanger, KVExchange
+from worker_runtime.kernels import build_meta, uses_flash, varlen_attention
+from worker_runtime.overlap import LeanAttention, build_state
+from worker_runtime.ring import RingAttention, build_ring_state
+from worker_runtime.segkernels import (
+    ReferenceSegments,
+    SegmentKernel,
+    SegmentVarlen,
+    flash_segments,
+)
+from worker_runtime.sinks import GatheredSinkAttention
+
+
+def run_windowed(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
+                 path: str, segment_kernel: SegmentKernel | None, scale: float,
+                 sink: torch.Tensor | None, window: int) -> torch.Tensor:
+    """The windowed call of ``rt`` (a ContextParallelAttention) on ``path`` (module
+    docstring); ``state`` is its per-device state."""
+    lay = rt.layout
+    if path == "lean":
+        ex = window_exchanger(rt, state, window, q.device)
+        lean = rt._path_state(state, "lean", None, lambda: build_state(lay, ex, q.device, window), window)
+        return LeanAttention.apply(q, k, v, lean, scale, rt.overlap, sink)
+    if path == "ring":
+        ring = rt._path_state(state, "ring", None, lambda: build_ring_state(
+            lay, rt.process_group, rt.order, rt.counter, q.device, window), window)
+        return RingAttention.apply(q, k, v, ring, scale, rt.overlap, sink)
+    return _gathered(rt, q, k, v, state, segment_kernel, scale, sink, window)
+
+
+def window_exchanger(rt: Any, state: Any, window: int, device: torch.device) -> Exchanger:
+    """The exchange of a ``window`` layer on the lean path: the causal one."""
+    return state.exchanger
+
+
+def _gathered(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
+              segment_kernel: SegmentKernel | None, scale: float, sink: torch.Tensor | None,
+              window: int) -> torch.Tensor:
+    """One causal windowed varlen call on every shard's gathered keys ``[0, e)``."""
+    lay = rt.layout
+    kv = torch.stack((k, v), dim=1)
+    source = KVExchange.apply(kv, state.exchanger)
+    k_seq = source[:, 0].index_select(0, state.kv_index)
+    v_seq = source[:, 1].index_select(0, state.kv_index)
+    r = lay.num_real
+    with_sink = sink is not None and r > 0
+    kern = segment_kernel
+    if kern is None and with_sink:
+        flash = uses_flash(q, "auto")
+        kern = flash_segments(q.device, q.dtype, q.shape[-1]) if flash else ReferenceSegments()
+        if kern is None:
+            raise ValueError("attention sinks on the flash kernel need flash-attn's varlen forward/backward "
+                             "with log-sum-exp (segkernels.flash_segments), which cannot be used here: "
+                             "pass kernel='torch' or drop the sink")
+    if kern is not None:
+        found = kern
+        meta = rt._path_state(state, "gathered", found, lambda: found.meta(
+            lay.cu_seqlens_q, lay.cu_seqlens_k, True, q.device, window=window), window)
+        if with_sink:
+            out = GatheredSinkAttention.apply(q[:r], k_seq, v_seq, sink, found, meta, scale)
+        else:
+            out = SegmentVarlen.apply(q[:r], k_seq, v_seq, found, meta, scale)
+    else:
+        vmeta = rt._path_state(state, "gathered", None, lambda: build_meta(
+            lay.cu_seqlens_q, lay.cu_seqlens_k, q.device, window=window), window)
+        out = varlen_attention(q[:r], k_seq, v_seq, vmeta, scale, "flash")
+    out = torch.cat((out, q.new_zeros((lay.num_tokens - r, *q.shape[1:]))))
+    if r == 0:
+        out = out + (source.sum() + (sink.sum() if sink is not None else 0)) * 0
+    return out
