@@ -17,14 +17,19 @@ import pytest
 import torch
 from aten_flash_standin import variant
 from test_runtime_dist import max_abs, solve_any
+from test_runtime_segments import random_plan
 
+from planner_service.core import cost
+from planner_service.core import window_work as ww
+from planner_service.core.halo_map import halo_transfers_of
 from planner_service.core.plan import Plan
-from worker_runtime import ContextParallelAttention, reference_attention
+from worker_runtime import ContextParallelAttention, build_layout, reference_attention
 from worker_runtime.aten_flash import AtenSegments
 from worker_runtime.kernels import build_masked_meta, build_meta, varlen_attention
 from worker_runtime.reference import document_mask
 from worker_runtime.segkernels import ReferenceSegments
 from worker_runtime.testing import run_distributed
+from worker_runtime.window_map import build_window_comm_map, ring_steps, window_transfers
 
 TOL = 1e-10
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -137,6 +142,54 @@ def test_segment_kernels_windowed(window: int) -> None:
         ref.meta(cu_q, cu_k, True, torch.device("cpu"), window=0)
 
 
+# -- the exchange of a window ---------------------------------------------------------------
+
+
+def window_expectations(plan: Plan, window: int) -> tuple[cost.CommVolumes, ww.RingSchedule]:
+    arrays = cost.shard_arrays(plan.groups[0].shards)
+    assert arrays is not None
+    return ww.window_comm_volumes_of(arrays, window), ww.ring_schedule_of(arrays, window)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_window_maps_match_the_planner(seed: int) -> None:
+    """The runtime's transfers are core/halo_map.py's; per rank, the all-to-all-v receive
+    and the compact all-gather send are core/window_work.py's; the ring's useful steps and
+    steps run are its RingSchedule's; every halo key of a rank's windows is in its remote
+    keys exactly once."""
+    cp_size = 2 + seed % 4
+    plan = random_plan(seed, cp_size)
+    arrays = cost.shard_arrays(plan.groups[0].shards)
+    assert arrays is not None
+    for window in (1, 2, 5, 13, 100):
+        layout = build_layout(plan, 0)
+        a = layout.arrays
+        tr = window_transfers(a, window)
+        got = sorted(zip(tr.receiver.tolist(), tr.sender.tolist(), a.docs[tr.dd].tolist(),
+                         tr.lo.tolist(), tr.hi.tolist(), strict=True))
+        ht = halo_transfers_of(arrays, window)
+        want = sorted(zip(ht.receiver.tolist(), ht.sender.tolist(), ht.doc.tolist(), ht.lo.tolist(),
+                          ht.hi.tolist(), strict=True))
+        assert got == want
+        volumes, ring = window_expectations(plan, window)
+        useful, steps = ring_steps(layout, window)
+        assert np.array_equal(useful, ring.useful) and steps == ring.steps_run
+        for rank in range(cp_size):
+            lay = build_layout(plan, rank)
+            a2a = build_window_comm_map(lay, "alltoallv", window)
+            gather = build_window_comm_map(lay, "compact_allgather", window)
+            assert a2a.recv_rows == volumes.alltoallv_recv[rank]
+            assert len(gather.send_index) == volumes.allgather_send[rank]
+            assert gather.buffer_rows == max(volumes.allgather_send)
+            r = lay.num_real
+            needed = {(int(d), p) for d, s0, _ in lay.shards for p in range(max(0, s0 - window + 1), s0)}
+            needed -= set(zip(lay.doc_ids[:r].tolist(), lay.positions[:r].tolist(), strict=True))
+            for comm in (a2a, gather):
+                keys = list(zip(comm.remote_doc.tolist(), comm.remote_pos.tolist(), strict=True))
+                assert keys == sorted(needed)
+                assert len(set(comm.remote_index.tolist())) == len(keys)
+
+
 # -- worlds ---------------------------------------------------------------------------------
 
 RUNS = (("full", None), ("compact_allgather", None), ("alltoallv", None), ("p2p_ring", None),
@@ -177,7 +230,12 @@ def world_worker(rank: int, world_size: int, cases: list[tuple[str, list[int | N
                 out, grads, nbytes = _run(attn, glob, window)
                 errors = [max_abs(out - attn.dispatch(ref.detach()))]
                 errors += [max_abs(g - attn.dispatch(r)) for g, r in zip(grads, ref_grads, strict=True)]
-                entry: dict = {"errors": errors, "bytes": nbytes}
+                entry: dict = {"errors": errors, "bytes": nbytes,
+                               "tokens": attn.counter.forward_tokens}
+                if window is not None and seg is None and attn.layout.group_index >= 0:
+                    volumes, ring = window_expectations(plan, window)
+                    want = ww.recv_tokens(mode, volumes, attn.num_tokens, ring)
+                    entry["want_tokens"] = want[attn.layout.slot]
                 if window is None:
                     out2, grads2, nbytes2 = _run(attn, glob, None, pass_window=False)
                     entry["same"] = (torch.equal(out, out2) and nbytes == nbytes2
@@ -192,6 +250,7 @@ def world_cases(world_size: int) -> list[tuple[str, list[int | None], tuple]]:
     rng.shuffle(lengths)
     cases = [(solve_any(lengths, world_size, name).to_json(), [*WINDOWS, None], RUNS)
              for name in ("flashcp", "contiguous_halo")]
+    cases.append((random_plan(world_size, world_size).to_json(), [1, 2, 7], RUNS))
     if world_size == 2:
         big = solve_any([BIG_WINDOW + 100, 40], world_size, "flashcp").to_json()
         cases.append((big, [BIG_WINDOW], BIG_RUNS))
@@ -204,5 +263,7 @@ def test_windowed_worlds(world_size: int) -> None:
     for rank, res in enumerate(results):
         for key, entry in res.items():
             assert max(entry["errors"]) < TOL, (rank, key, entry["errors"])
+            if "want_tokens" in entry:
+                assert entry["tokens"] == entry["want_tokens"], (rank, key)
             if key[-1] is None:
                 assert entry["same"], (rank, key)

@@ -30,9 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from worker_runtime.comm import Exchanger, KVExchange
 from worker_runtime.kernels import build_meta, uses_flash, varlen_attention
+from worker_runtime.layout import CommMap
 from worker_runtime.overlap import LeanAttention, build_state
 from worker_runtime.ring import RingAttention, build_ring_state
 from worker_runtime.segkernels import (
@@ -42,6 +44,7 @@ from worker_runtime.segkernels import (
     flash_segments,
 )
 from worker_runtime.sinks import GatheredSinkAttention
+from worker_runtime.window_map import build_window_comm_map
 
 
 def run_windowed(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
@@ -62,8 +65,24 @@ def run_windowed(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
 
 
 def window_exchanger(rt: Any, state: Any, window: int, device: torch.device) -> Exchanger:
-    """The exchange of a ``window`` layer on the lean path: the causal one."""
-    return state.exchanger
+    """The exchange of a ``window`` layer on the lean path: the halo map of ``alltoallv``
+    or ``compact_allgather`` (``window_map.py``), the causal one for ``full``."""
+    if rt.gather_mode not in ("alltoallv", "compact_allgather"):
+        return state.exchanger
+
+    def build() -> Exchanger:
+        comm = build_window_comm_map(rt.layout, rt.gather_mode, window, rt.order)
+        position = dist.get_rank(rt.process_group) if rt.process_group is not None else 0
+        return Exchanger.create(comm, rt.process_group, position, rt.counter, device)
+
+    return rt._path_state(state, "exchange", None, build, window)  # type: ignore[no-any-return]
+
+
+def window_comm_map(rt: Any, window: int) -> CommMap:
+    """The comm map a ``window`` call of ``rt`` exchanges on the lean path."""
+    if rt.gather_mode not in ("alltoallv", "compact_allgather"):
+        return rt.comm_map  # type: ignore[no-any-return]
+    return build_window_comm_map(rt.layout, rt.gather_mode, window, rt.order)
 
 
 def _gathered(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
@@ -76,7 +95,12 @@ def _gathered(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state:
     k_seq = source[:, 0].index_select(0, state.kv_index)
     v_seq = source[:, 1].index_select(0, state.kv_index)
     r = lay.num_real
-    with_sink = sink is not None and r > 0
+    if r == 0:
+        # No queries here, but peers may still send dK/dV back in backward: keep the
+        # exchange in the graph so this rank joins that collective.
+        tied = (source.sum() + (sink.sum() if sink is not None else 0)) * 0
+        return q * 0 + tied
+    with_sink = sink is not None
     kern = segment_kernel
     if kern is None and with_sink:
         flash = uses_flash(q, "auto")
@@ -97,7 +121,4 @@ def _gathered(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state:
         vmeta = rt._path_state(state, "gathered", None, lambda: build_meta(
             lay.cu_seqlens_q, lay.cu_seqlens_k, q.device, window=window), window)
         out = varlen_attention(q[:r], k_seq, v_seq, vmeta, scale, "flash")
-    out = torch.cat((out, q.new_zeros((lay.num_tokens - r, *q.shape[1:]))))
-    if r == 0:
-        out = out + (source.sum() + (sink.sum() if sink is not None else 0)) * 0
-    return out
+    return torch.cat((out, q.new_zeros((lay.num_tokens - r, *q.shape[1:]))))
