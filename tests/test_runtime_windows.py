@@ -257,11 +257,19 @@ def world_worker(rank: int, world_size: int, cases: list[WorldCase], refs: dict)
                 errors = [max_abs(out - attn.dispatch(ref))]
                 errors += [max_abs(g - attn.dispatch(r)) for g, r in zip(grads, ref_grads, strict=True)]
                 entry: dict = {"errors": errors, "bytes": nbytes,
-                               "tokens": attn.counter.forward_tokens}
+                               "tokens": attn.counter.forward_tokens,
+                               "peak": attn.counter.kv_tokens_peak}
                 if window is not None and seg is None and attn.layout.group_index >= 0:
                     volumes, ring = window_expectations(plan, window)
-                    want = ww.recv_tokens(mode, volumes, attn.num_tokens, ring)
-                    entry["want_tokens"] = want[attn.layout.slot]
+                    slot, t = attn.layout.slot, attn.num_tokens
+                    entry["want_tokens"] = ww.recv_tokens(mode, volumes, t, ring)[slot]
+                    # KV held at once: own rows and the distinct halo (gather modes); own
+                    # rows and up to two blocks of a ring that runs steps_run steps.
+                    own = attn.layout.num_real
+                    if mode == "p2p_ring":
+                        entry["want_peak"] = own + t * min(ring.steps_run, 2)
+                    elif mode != "full":
+                        entry["want_peak"] = own + volumes.alltoallv_recv[slot]
                 if window is None:
                     out2, grads2, nbytes2 = _run(attn, glob, None, pass_window=False)
                     entry["same"] = (torch.equal(out, out2) and nbytes == nbytes2
@@ -294,5 +302,7 @@ def test_windowed_worlds(world_size: int) -> None:
             assert max(entry["errors"]) < TOL, (rank, key, entry["errors"])
             if "want_tokens" in entry:
                 assert entry["tokens"] == entry["want_tokens"], (rank, key)
+            if "want_peak" in entry:
+                assert entry["peak"] == entry["want_peak"], (rank, key, entry["peak"], entry["want_peak"])
             if key[-1] is None:
                 assert entry["same"], (rank, key)

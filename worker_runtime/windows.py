@@ -13,9 +13,10 @@ of each window and cached by W on the runtime's per-device state:
   window reaches);
 - the lean path (torch kernel, gather modes): its two parts on windowed masks, the remote
   part's queries being those with a remote key in their window;
-- the ring (torch kernel, ``p2p_ring``): windowed masks per step, the steps whose block
-  holds no key inside any window of this group skipped (no transfer, no kernel; the
-  ring's schedule, ``window_ring_schedule``);
+- the ring (torch kernel, ``p2p_ring``): windowed masks per step; the ring stops after
+  the group's last useful step (``window_map.ring_steps``: no later transfer or kernel),
+  a rank runs no kernel on a step whose block holds no key inside its windows, and
+  backward sends the last dK/dV accumulator straight to its owner;
 - the gathered form (a segment kernel's or flash-attn's one causal windowed varlen call
   on each shard's keys ``[0, e)``): the gathered path, and the segments path and segment
   ring under a window (their full calls on remote gaps have per-document alignments one
