@@ -306,3 +306,22 @@ def test_windowed_worlds(world_size: int) -> None:
                 assert entry["peak"] == entry["want_peak"], (rank, key, entry["peak"], entry["want_peak"])
             if key[-1] is None:
                 assert entry["same"], (rank, key)
+
+
+def mismatch_worker(rank: int, world_size: int, plan_json: str) -> str:
+    from worker_runtime.safety import CollectiveCheckError
+
+    plan = Plan.from_json(plan_json)
+    attn = ContextParallelAttention(plan)
+    q, k, v, _ = tensors(sum(plan.doc_lengths), 0)
+    try:
+        attn(*(attn.dispatch(t) for t in (q, k, v)), window=4 if rank == 0 else None)
+    except CollectiveCheckError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_ranks_on_different_windows_are_refused_on_every_rank() -> None:
+    plan = solve_any([30, 9, 14], 2, "flashcp")
+    for message in run_distributed(mismatch_worker, 2, plan.to_json(), timeout_s=120):
+        assert "window differs across ranks" in message, message

@@ -257,7 +257,7 @@ class ContextParallelAttention:
         check_sink(sink, q.shape[1])
         window = check_window(window)
         path, segment_kernel = self.execution_path(q)
-        self._check(q, k, v, path)
+        self._check(q, k, v, path, window)
         if lay.group_index < 0:
             # No rows; tied to q, k, v so a caller's backward gives them (empty) gradients.
             tied = (k.sum() + v.sum() + (sink.sum() if sink is not None else 0)) * 0
@@ -338,7 +338,8 @@ class ContextParallelAttention:
             return "gathered", None, True
         return ("ring" if ring else "lean"), None, False
 
-    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str) -> None:
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str,
+               window: int | None = None) -> None:
         if self.verify == "never" or (self.verify == "first" and self._verified):
             return
         problem = local_input_problem(q, k, v, self.layout.num_tokens, self.rank)
@@ -347,8 +348,11 @@ class ContextParallelAttention:
                 raise CollectiveCheckError(f"attention: rank {self.rank}: {problem}")
         else:
             # The path too: ranks on different paths would run different collectives.
-            extra = {"dtype": str(q.dtype), "heads": tuple(q.shape[1:]),
-                     "kv_heads": tuple(k.shape[1:]), "path": path}
+            extra: dict[str, Any] = {"dtype": str(q.dtype), "heads": tuple(q.shape[1:]),
+                                     "kv_heads": tuple(k.shape[1:]), "path": path}
+            if window is not None:
+                # Ranks on different windows would run different exchanges.
+                extra["window"] = window
             agree(self.process_group, rank=self.rank, plan_id=self.plan.plan_id, problem=problem,
                   where="attention", extra=extra)
         self._verified = True
