@@ -259,10 +259,13 @@ def world_worker(rank: int, world_size: int, cases: list[WorldCase], refs: dict)
                 entry: dict = {"errors": errors, "bytes": nbytes,
                                "tokens": attn.counter.forward_tokens,
                                "peak": attn.counter.kv_tokens_peak}
-                if window is not None and seg is None and attn.layout.group_index >= 0:
+                if window is not None and attn.layout.group_index >= 0:
                     volumes, ring = window_expectations(plan, window)
                     slot, t = attn.layout.slot, attn.num_tokens
-                    entry["want_tokens"] = ww.recv_tokens(mode, volumes, t, ring)[slot]
+                    # The segment ring's gathered form moves a ring plan's bytes as full.
+                    moved = "full" if seg and mode == "p2p_ring" else mode
+                    entry["want_tokens"] = ww.recv_tokens(moved, volumes, t, ring)[slot]
+                if window is not None and seg is None and attn.layout.group_index >= 0:
                     # KV held at once: own rows and the distinct halo (gather modes); own
                     # rows and up to two blocks of a ring that runs steps_run steps.
                     own = attn.layout.num_real

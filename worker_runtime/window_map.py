@@ -170,3 +170,34 @@ def ring_steps(layout: RankLayout, window: int) -> tuple[np.ndarray, int]:
     useful[tr.receiver, (tr.receiver - tr.sender) % n] = True
     steps = np.flatnonzero(useful.any(axis=0))
     return useful, int(steps[-1]) if len(steps) else 0
+
+
+class WindowGather(NamedTuple):
+    """The gathered form of a window layer on a window comm map: per own shard ``(d, s,
+    e)`` (plan order) its keys ``[max(0, s - W + 1), e)`` as rows of ``cat(local buffer,
+    receive buffer)``."""
+
+    kv_index: np.ndarray
+    cu_seqlens_k: np.ndarray
+    """int32 ``[num_shards + 1]``: shard j's key segment."""
+
+
+def window_gather(layout: RankLayout, comm: CommMap, window: int) -> WindowGather:
+    """Key rows of every own shard's window span (``WindowGather``) from ``comm``'s distinct
+    halo keys and the local rows. O((T + R) log (T + R))."""
+    r, t = layout.num_real, layout.num_tokens
+    doc = np.concatenate((layout.doc_ids[:r], comm.remote_doc)).astype(np.int64)
+    pos = np.concatenate((layout.positions[:r], comm.remote_pos)).astype(np.int64)
+    rows = np.concatenate((np.arange(r, dtype=np.int64), t + comm.remote_index))
+    shards = np.array(layout.shards, dtype=np.int64).reshape(-1, 3)
+    stride = int(max(pos.max(initial=0), shards[:, 2].max(initial=0))) + 1
+    key = doc * stride + pos
+    order = np.argsort(key, kind="stable")
+    key, rows = key[order], rows[order]
+    lo = np.maximum(shards[:, 1] - window + 1, 0)
+    first = np.searchsorted(key, shards[:, 0] * stride + lo)
+    last = np.searchsorted(key, shards[:, 0] * stride + shards[:, 2])
+    count = last - first
+    assert (count == shards[:, 2] - lo).all(), "every key of a shard's windows is local or received"
+    return WindowGather(rows[expand_ranges(first, count)],
+                        np.concatenate(([0], np.cumsum(count))).astype(np.int32))

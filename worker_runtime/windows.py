@@ -45,7 +45,7 @@ from worker_runtime.segkernels import (
     flash_segments,
 )
 from worker_runtime.sinks import GatheredSinkAttention
-from worker_runtime.window_map import build_window_comm_map
+from worker_runtime.window_map import build_window_comm_map, window_gather
 
 
 def run_windowed(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
@@ -89,12 +89,21 @@ def window_comm_map(rt: Any, window: int) -> CommMap:
 def _gathered(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
               segment_kernel: SegmentKernel | None, scale: float, sink: torch.Tensor | None,
               window: int) -> torch.Tensor:
-    """One causal windowed varlen call on every shard's gathered keys ``[0, e)``."""
+    """One causal windowed varlen call on every shard's gathered keys: ``[max(0, s - W +
+    1), e)`` on the window's halo map (``alltoallv``, ``compact_allgather``), else ``[0,
+    e)`` on the causal map."""
     lay = rt.layout
+    halo = rt.gather_mode in ("alltoallv", "compact_allgather")
+    exchanger, kv_index, cu_k = state.exchanger, state.kv_index, lay.cu_seqlens_k
+    if halo:
+        exchanger = window_exchanger(rt, state, window, q.device)
+        found_gather = rt._path_state(state, "gather_index", None, lambda: _gather_index(
+            rt, exchanger, window, q.device), window)
+        kv_index, cu_k = found_gather
     kv = torch.stack((k, v), dim=1)
-    source = KVExchange.apply(kv, state.exchanger)
-    k_seq = source[:, 0].index_select(0, state.kv_index)
-    v_seq = source[:, 1].index_select(0, state.kv_index)
+    source = KVExchange.apply(kv, exchanger)
+    k_seq = source[:, 0].index_select(0, kv_index)
+    v_seq = source[:, 1].index_select(0, kv_index)
     r = lay.num_real
     if r == 0:
         # No queries here, but peers may still send dK/dV back in backward: keep the
@@ -113,13 +122,20 @@ def _gathered(rt: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state:
     if kern is not None:
         found = kern
         meta = rt._path_state(state, "gathered", found, lambda: found.meta(
-            lay.cu_seqlens_q, lay.cu_seqlens_k, True, q.device, window=window), window)
+            lay.cu_seqlens_q, cu_k, True, q.device, window=window), window)
         if with_sink:
             out = GatheredSinkAttention.apply(q[:r], k_seq, v_seq, sink, found, meta, scale)
         else:
             out = SegmentVarlen.apply(q[:r], k_seq, v_seq, found, meta, scale)
     else:
         vmeta = rt._path_state(state, "gathered", None, lambda: build_meta(
-            lay.cu_seqlens_q, lay.cu_seqlens_k, q.device, window=window), window)
+            lay.cu_seqlens_q, cu_k, q.device, window=window), window)
         out = varlen_attention(q[:r], k_seq, v_seq, vmeta, scale, "flash")
     return torch.cat((out, q.new_zeros((lay.num_tokens - r, *q.shape[1:]))))
+
+
+def _gather_index(rt: Any, exchanger: Exchanger, window: int,
+                  device: torch.device) -> tuple[torch.Tensor, Any]:
+    """(key rows on ``device``, cu_seqlens_k) of the gathered form on a halo map."""
+    found = window_gather(rt.layout, exchanger.comm, window)
+    return torch.from_numpy(found.kv_index).to(device), found.cu_seqlens_k
