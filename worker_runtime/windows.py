@@ -6,22 +6,23 @@ sliding_window``; flash-attn's ``window_size = (W - 1, 0)``). One plan serves ev
 (token placement is shared); what differs per window is kept here, built on the first call
 of each window and cached by W on the runtime's per-device state:
 
-- the exchange (``window_map.py``): under ``alltoallv`` only the halo, the keys
+- the exchange (``window_map.py``): ``alltoallv`` moves only the halo, the keys
   ``[max(0, s - W + 1), s)`` before each own shard ``[s, e)`` held by a peer
-  (``planner_service.core.halo_map``'s transfers); ``full`` and ``compact_allgather`` run
-  the causal comm map (their buffers are the plan's, the windowed masks drop what no
-  window reaches);
+  (``planner_service.core.halo_map``'s transfers); ``compact_allgather`` each shard's
+  suffix that a later run of its doc on another rank reaches; ``full`` the causal comm
+  map (every local buffer moves whatever the window);
 - the lean path (torch kernel, gather modes): its two parts on windowed masks, the remote
   part's queries being those with a remote key in their window;
 - the ring (torch kernel, ``p2p_ring``): windowed masks per step; the ring stops after
   the group's last useful step (``window_map.ring_steps``: no later transfer or kernel),
   a rank runs no kernel on a step whose block holds no key inside its windows, and
   backward sends the last dK/dV accumulator straight to its owner;
-- the gathered form (a segment kernel's or flash-attn's one causal windowed varlen call
-  on each shard's keys ``[0, e)``): the gathered path, and the segments path and segment
-  ring under a window (their full calls on remote gaps have per-document alignments one
-  flash call cannot window; the gathered call can). It exchanges the causal comm map
-  (a ring plan's bytes as ``full``).
+- the gathered form (a segment kernel's or flash-attn's one causal windowed varlen call):
+  the gathered path, and the segments path and segment ring under a window (their full
+  calls on remote gaps have per-document alignments one flash call cannot window; the
+  gathered call can). On the halo maps each shard reads its window span ``[max(0, s - W +
+  1), e)`` (``window_map.window_gather``); on ``full`` (a ring plan's bytes) its keys
+  ``[0, e)`` from the causal map.
 
 ``window=None`` never reaches this module: the causal paths run unchanged.
 """
