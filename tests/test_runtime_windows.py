@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from aten_flash_standin import variant
-from test_runtime_dist import max_abs, solve_any
+from test_runtime_dist import MULTI_GROUPS, max_abs, multi_group_plan, solve_any
 from test_runtime_segments import random_plan
 
 from planner_service.core import cost
@@ -146,8 +146,8 @@ def test_segment_kernels_windowed(window: int) -> None:
 # -- the exchange of a window ---------------------------------------------------------------
 
 
-def window_expectations(plan: Plan, window: int) -> tuple[cost.CommVolumes, ww.RingSchedule]:
-    arrays = cost.shard_arrays(plan.groups[0].shards)
+def window_expectations(plan: Plan, window: int, group: int = 0) -> tuple[cost.CommVolumes, ww.RingSchedule]:
+    arrays = cost.shard_arrays(plan.groups[group].shards)
     assert arrays is not None
     return ww.window_comm_volumes_of(arrays, window), ww.ring_schedule_of(arrays, window)
 
@@ -260,7 +260,7 @@ def world_worker(rank: int, world_size: int, cases: list[WorldCase], refs: dict)
                                "tokens": attn.counter.forward_tokens,
                                "peak": attn.counter.kv_tokens_peak}
                 if window is not None and attn.layout.group_index >= 0:
-                    volumes, ring = window_expectations(plan, window)
+                    volumes, ring = window_expectations(plan, window, attn.layout.group_index)
                     slot, t = attn.layout.slot, attn.num_tokens
                     # The segment ring's gathered form moves a ring plan's bytes as full.
                     moved = "full" if seg and mode == "p2p_ring" else mode
@@ -290,6 +290,9 @@ def world_cases(world_size: int) -> list[WorldCase]:
     cases = [WorldCase(solve_any(lengths, world_size, name).to_json(), [*WINDOWS, None], RUNS)
              for name in names.get(world_size, ("flashcp",))]
     cases.append(WorldCase(random_plan(world_size, world_size).to_json(), [1, 2, 7], RUNS))
+    if world_size == 3:  # two groups, one with its ranks out of order, as FCP plans them
+        grouped = multi_group_plan(lengths, MULTI_GROUPS[3], 3).to_json()
+        cases.append(WorldCase(grouped, [1, 7, 128, None], RUNS))
     if world_size == 2:
         big = solve_any([BIG_WINDOW + 100, 40], world_size, "flashcp").to_json()
         cases.append(WorldCase(big, [BIG_WINDOW], BIG_RUNS, heads=(2, 1)))
