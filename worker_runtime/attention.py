@@ -31,7 +31,8 @@ path's log-sum-exp after its last part (``sinks.py``); the gathered path with a 
 its one call as a segment kernel call (flash-attn's varlen forward/backward, or the exact
 reference on the torch kernel), which returns the log-sum-exp the merge needs.
 
-``segment_kernel`` runs the segments path (or the segment ring) with another kernel on any
+Sliding-window layers (``attention(..., window=W)``) run on every path as ``windows.py``
+describes. ``segment_kernel`` runs the segments path (or the segment ring) with another kernel on any
 device (the tests pass the exact ``segkernels.ReferenceSegments``). ``overlap=False`` waits
 for every exchange right after starting it (same arithmetic).
 Backward runs the collectives in reverse, so every rank of a group must call backward if
@@ -247,9 +248,9 @@ class ContextParallelAttention:
         denominator (attention sinks, ``sinks.py``; differentiable, each rank's gradient is
         the part of its own queries). ``window``: None (causal) or a sliding window W, the
         query at doc position p attending keys ``[max(0, p - W + 1), p]`` (transformers'
-        ``sliding_window``; docs/runtime.md, Windows); every rank of the group must pass the
-        same. Returns the local output ``[T, H, D]``; padding rows
-        are zero. Raises ValueError for a sink of another shape or a window below 1, CollectiveCheckError on
+        ``sliding_window``; ``windows.py``); every rank of the group passes the same. Returns
+        the local output ``[T, H, D]``; padding rows are zero. Raises ValueError for a sink
+        of another shape or a window below 1, CollectiveCheckError on
         every rank of the group if any rank's inputs do not match the plan (checked on the
         first call, or every call with verify='always').
         """
@@ -265,7 +266,7 @@ class ContextParallelAttention:
         state = self._state(q.device)
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         if window is not None:
-            return self._windowed(q, k, v, state, path, segment_kernel, scale, sink, window)
+            return run_windowed(self, q, k, v, state, path, segment_kernel, scale, sink, window)
         if path == "segments":
             assert segment_kernel is not None
             seg = self._path_state(state, path, segment_kernel, lambda: build_segment_state(
@@ -389,12 +390,6 @@ class ContextParallelAttention:
         lay = self.layout
         return kern, self._path_state(state, "gathered_sink", kern, lambda: kern.meta(
             lay.cu_seqlens_q, lay.cu_seqlens_k, True, q.device))
-
-    def _windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: _DeviceState,
-                  path: str, segment_kernel: SegmentKernel | None, scale: float,
-                  sink: torch.Tensor | None, window: int) -> torch.Tensor:
-        """A sliding-window call (``windows.py``)."""
-        return run_windowed(self, q, k, v, state, path, segment_kernel, scale, sink, window)
 
     @staticmethod
     def _path_state(state: _DeviceState, path: str, kernel: SegmentKernel | None,
