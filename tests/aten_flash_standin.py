@@ -11,7 +11,8 @@ each group, keys of a segment without queries get dK = dV = 0. Dense per segment
 float64 (any input dtype; outputs in the input dtype, LSE float32).
 
 ``variant`` builds stand-ins that differ on purpose (the probe must refuse them):
-``top_left`` causal alignment, LSE in base 2, dK on the keys of zero-query segments.
+``top_left`` causal alignment, LSE in base 2, dK on the keys of zero-query segments, the
+window keywords ignored.
 """
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ def _scores(q, k, scale, mask):
     return s.masked_fill(~mask, -math.inf)
 
 
-def variant(*, top_left: bool = False, base2: bool = False, zero_query_dk: bool = False) -> AtenOps:
-    """Stand-in ops; every flag off gives the faithful ones (module docstring)."""
+def variant(*, top_left: bool = False, base2: bool = False, zero_query_dk: bool = False,
+            ignore_window: bool = False) -> AtenOps:
+    """Stand-in ops; every flag off gives the faithful ones (module docstring;
+    ``ignore_window``: the window keywords accepted and dropped)."""
+
+    def window(left, right):
+        return (None, None) if ignore_window else (left, right)
 
     def forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                 return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
@@ -70,8 +76,8 @@ def variant(*, top_left: bool = False, base2: bool = False, zero_query_dk: bool 
             assert lq <= max_q and lk <= max_k
             if lq == 0 or lk == 0:
                 continue
-            s = _scores(query[q0:q1], key[k0:k1], scale, _mask(lq, lk, is_causal, top_left, window_size_left,
-                                                                window_size_right))
+            s = _scores(query[q0:q1], key[k0:k1], scale, _mask(lq, lk, is_causal, top_left,
+                                                                *window(window_size_left, window_size_right)))
             m = torch.logsumexp(s, dim=-1)  # [H, lq]; -inf where a row sees nothing
             seen = torch.isfinite(m)
             p = torch.exp(s - torch.where(seen, m, 0.0)[..., None]).masked_fill(~seen[..., None], 0.0)
@@ -102,8 +108,8 @@ def variant(*, top_left: bool = False, base2: bool = False, zero_query_dk: bool 
                 if zero_query_dk:
                     dk[k0:k1] = 1.0
                 continue
-            s = _scores(query[q0:q1], key[k0:k1], scale, _mask(lq, lk, is_causal, top_left, window_size_left,
-                                                                window_size_right))
+            s = _scores(query[q0:q1], key[k0:k1], scale, _mask(lq, lk, is_causal, top_left,
+                                                                *window(window_size_left, window_size_right)))
             lse = logsumexp[:, q0:q1].double()
             p = torch.exp(s - lse[..., None])  # +inf LSE rows and masked pairs give 0
             do = grad_out[q0:q1].double()

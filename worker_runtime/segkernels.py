@@ -263,13 +263,15 @@ relative to the reference's largest magnitude (at least 1)."""
 
 
 PROBE_CALLS = (
-    (np.array([0, 3, 5]), np.array([0, 4, 9]), True),
-    (np.array([0, 3, 5]), np.array([0, 4, 9]), False),
-    (np.array([0, 2, 2, 5, 6]), np.array([0, 3, 7, 7, 9]), False),
+    (np.array([0, 3, 5]), np.array([0, 4, 9]), True, None),
+    (np.array([0, 3, 5]), np.array([0, 4, 9]), False, None),
+    (np.array([0, 2, 2, 5, 6]), np.array([0, 3, 7, 7, 9]), False, None),
+    (np.array([0, 3, 5]), np.array([0, 4, 9]), True, 2),
 )
-"""(cu_q, cu_k, causal) of the probe's calls: a causal and a full call, then a full call
-with a zero-query segment (keys 3..6) and a hollow segment (queries 2..4, no keys), as the
-segment ring runs them."""
+"""(cu_q, cu_k, causal, window) of the probe's calls: a causal and a full call, then a full
+call with a zero-query segment (keys 3..6) and a hollow segment (queries 2..4, no keys),
+as the segment ring runs them, then a causal call under a window of 2 (a sliding-window
+layer's gathered call)."""
 
 
 def probe(kernel: SegmentKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
@@ -281,14 +283,18 @@ def probe(kernel: SegmentKernel, device: torch.device, dtype: torch.dtype, head_
     gen = torch.Generator(device="cpu").manual_seed(0)
     scale = head_dim**-0.5
     ref = ReferenceSegments()
-    for cu_q, cu_k, causal in PROBE_CALLS:
+    for cu_q, cu_k, causal, window in PROBE_CALLS:
         nq, nk = int(cu_q[-1]), int(cu_k[-1])
         seen = torch.from_numpy(np.repeat(np.diff(cu_k) > 0, np.diff(cu_q))).to(device)
         q, k, v, do = (torch.randn(n, h, head_dim, generator=gen).to(device=device, dtype=dtype)
                        for n, h in ((nq, 2), (nk, 1), (nk, 1), (nq, 2)))
-        where = f"causal={causal}, cu_q={cu_q.tolist()}, cu_k={cu_k.tolist()}"
+        where = f"causal={causal}, cu_q={cu_q.tolist()}, cu_k={cu_k.tolist()}, window={window}"
         try:
-            meta, ref_meta = kernel.meta(cu_q, cu_k, causal, device), ref.meta(cu_q, cu_k, causal, device)
+            if window is None:
+                meta, ref_meta = kernel.meta(cu_q, cu_k, causal, device), ref.meta(cu_q, cu_k, causal, device)
+            else:
+                meta = kernel.meta(cu_q, cu_k, causal, device, window=window)
+                ref_meta = ref.meta(cu_q, cu_k, causal, device, window=window)
             out, lse = kernel.forward(q, k, v, meta, scale)
             want_out, want_lse = ref.forward(q.float(), k.float(), v.float(), ref_meta, scale)
             if out.shape != q.shape or lse.shape != (2, nq) or lse.dtype != torch.float32:
