@@ -4,13 +4,15 @@
 / ``_flash_attention_backward`` (same names, order, keyword-only part; a test compares them
 with the ops' schemas) and return the same tuples: ``(output, logsumexp [H, T] float32,
 rng_state, unused, debug_attn_mask)`` and ``(dq, dk, dv)``. Semantics as the CUDA kernels:
-bottom-right causal alignment per segment, natural-log LSE, a query that sees no key gives
+bottom-right causal alignment per segment, ``window_size_left/right`` around the aligned
+query position, natural-log LSE, a query that sees no key gives
 out 0 and LSE +inf, GQA with query head h on KV head h // (H / G) and dK/dV summed over
 each group, keys of a segment without queries get dK = dV = 0. Dense per segment in
 float64 (any input dtype; outputs in the input dtype, LSE float32).
 
 ``variant`` builds stand-ins that differ on purpose (the probe must refuse them):
-``top_left`` causal alignment, LSE in base 2, dK on the keys of zero-query segments.
+``top_left`` causal alignment, LSE in base 2, dK on the keys of zero-query segments, the
+window keywords ignored.
 """
 
 from __future__ import annotations
@@ -27,12 +29,19 @@ def _segments(cum_q: torch.Tensor, cum_k: torch.Tensor):
     return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
-def _mask(lq: int, lk: int, is_causal: bool, top_left: bool) -> torch.Tensor:
-    if not is_causal:
-        return torch.ones(lq, lk, dtype=torch.bool)
+def _mask(lq: int, lk: int, is_causal: bool, top_left: bool, left: int | None = None,
+          right: int | None = None) -> torch.Tensor:
+    """FlashAttention's mask: causal (bottom-right) or full, then the local window
+    ``[q - left, q + right]`` around the aligned query position where either is >= 0."""
     t = torch.arange(lq)[:, None]
     s = torch.arange(lk)[None, :]
-    return s <= t if top_left else s <= t + (lk - lq)
+    aligned = t if top_left else t + (lk - lq)
+    mask = s <= aligned if is_causal else torch.ones(lq, lk, dtype=torch.bool)
+    if left is not None and left >= 0:
+        mask = mask & (s >= aligned - left)
+    if right is not None and right >= 0:
+        mask = mask & (s <= aligned + right)
+    return mask
 
 
 def _scores(q, k, scale, mask):
@@ -43,13 +52,18 @@ def _scores(q, k, scale, mask):
     return s.masked_fill(~mask, -math.inf)
 
 
-def variant(*, top_left: bool = False, base2: bool = False, zero_query_dk: bool = False) -> AtenOps:
-    """Stand-in ops; every flag off gives the faithful ones (module docstring)."""
+def variant(*, top_left: bool = False, base2: bool = False, zero_query_dk: bool = False,
+            ignore_window: bool = False) -> AtenOps:
+    """Stand-in ops; every flag off gives the faithful ones (module docstring;
+    ``ignore_window``: the window keywords accepted and dropped)."""
+
+    def window(left, right):
+        return (None, None) if ignore_window else (left, right)
 
     def forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                 return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
                 seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
-        assert dropout_p == 0.0 and not return_debug_mask and window_size_left in (None, -1)
+        assert dropout_p == 0.0 and not return_debug_mask
         assert cum_seq_q.dtype == torch.int32 and cum_seq_k.dtype == torch.int32
         t, h, d = query.shape
         g = key.shape[1]
@@ -62,7 +76,8 @@ def variant(*, top_left: bool = False, base2: bool = False, zero_query_dk: bool 
             assert lq <= max_q and lk <= max_k
             if lq == 0 or lk == 0:
                 continue
-            s = _scores(query[q0:q1], key[k0:k1], scale, _mask(lq, lk, is_causal, top_left))
+            s = _scores(query[q0:q1], key[k0:k1], scale, _mask(lq, lk, is_causal, top_left,
+                                                                *window(window_size_left, window_size_right)))
             m = torch.logsumexp(s, dim=-1)  # [H, lq]; -inf where a row sees nothing
             seen = torch.isfinite(m)
             p = torch.exp(s - torch.where(seen, m, 0.0)[..., None]).masked_fill(~seen[..., None], 0.0)
@@ -93,7 +108,8 @@ def variant(*, top_left: bool = False, base2: bool = False, zero_query_dk: bool 
                 if zero_query_dk:
                     dk[k0:k1] = 1.0
                 continue
-            s = _scores(query[q0:q1], key[k0:k1], scale, _mask(lq, lk, is_causal, top_left))
+            s = _scores(query[q0:q1], key[k0:k1], scale, _mask(lq, lk, is_causal, top_left,
+                                                                *window(window_size_left, window_size_right)))
             lse = logsumexp[:, q0:q1].double()
             p = torch.exp(s - lse[..., None])  # +inf LSE rows and masked pairs give 0
             do = grad_out[q0:q1].double()

@@ -3,9 +3,8 @@ trains under the CP runtime exactly: on 3 gloo ranks, on the lean, ring and segm
 paths, the loss and every parameter gradient, the sinks' included, within 1e-9 of each
 document run alone in one float64 process.
 
-The documents are at most ``WINDOW`` tokens long, so the sliding layers run exactly as
-causal (``hf_check.check_plan``); a longer document is refused before any attention runs
-(tests/test_hf_refusals.py).
+Three of the documents are longer than the sliding layers' ``WINDOW``, so the window bites
+(``attention(window=)``, docs/runtime.md, Windows).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ pytestmark = [
 ]
 
 DOC_LENGTHS = [37, 100, 5, 60]
-WINDOW = 128
+WINDOW = 16
 WORLD_SIZE = 3
 VOCAB = 96
 TOL = 1e-9

@@ -1,7 +1,6 @@
 """What the CP attention cannot run exactly is refused in one line naming the option, the
 layer and the config field: at ``enable_cp_attention`` (non-attention mixers, soft-capping,
-families that bypass the attention interface), before any attention runs (a sliding window
-shorter than the plan's longest document), or by the attention function itself (unknown
+families that bypass the attention interface), or by the attention function itself (unknown
 keywords, soft-capping, bidirectional calls, a padding mask with zeros). One process, a
 one-rank plan.
 """
@@ -78,35 +77,31 @@ def test_rejects_a_family_that_bypasses_the_attention_interface() -> None:
         enable_cp_attention(model)
 
 
-def test_rejects_a_window_shorter_than_the_longest_document_before_any_attention(monkeypatch) -> None:
-    model = enable_cp_attention(model_of("Mistral", sliding_window=8))
-    plan = one_rank_plan([5, 17])
-    want = (r"^sliding_window: layer 0 has a window of 8 tokens but the plan's longest document has 17; "
-            r".*raise config\.sliding_window to >= 17")
-    with pytest.raises(ValueError, match=want):
-        check_plan(model, plan)
-    attn = ContextParallelAttention(plan)
-    calls = []
-    monkeypatch.setattr(ContextParallelAttention, "attention", lambda self, *a, **k: calls.append(1))
-    ids = torch.randint(3, 64, (22,), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match=want), use_cp_attention(attn):
-        model(**prepare_batch(attn, ids))
-    assert not calls, "no attention may run under a refused plan"
-
-
-def test_allows_a_window_at_least_the_longest_document_as_exactly_causal() -> None:
-    """Window 17 on documents of 5 and 17 tokens: equal to each document alone (eager)."""
-    model = model_of("Mistral", sliding_window=17)
+def test_runs_a_window_shorter_than_a_document_exactly() -> None:
+    """Window 8 on documents of 5 and 17 tokens: equal to each document alone (eager,
+    transformers' own sliding-window mask); check_plan accepts the plan."""
+    model = model_of("Mistral", sliding_window=8)
     ids = torch.randint(3, 64, (22,), generator=torch.Generator().manual_seed(0))
     model.set_attn_implementation("eager")
     with torch.no_grad(), KeepFloat64():
         want = torch.cat([model(input_ids=ids[None, lo:hi], position_ids=torch.arange(hi - lo)[None]).logits[0]
                           for lo, hi in ((0, 5), (5, 22))])
+        causal = model_of("Mistral", sliding_window=None)
+        causal.set_attn_implementation("eager")
+        unwindowed = causal(input_ids=ids[None, 5:22], position_ids=torch.arange(17)[None]).logits[0]
+    assert (unwindowed - want[5:]).abs().max().item() > 1e-6, "the window must change the logits"
     enable_cp_attention(model)
-    attn = ContextParallelAttention(one_rank_plan([5, 17]))
+    plan = one_rank_plan([5, 17])
+    check_plan(model, plan)
+    attn = ContextParallelAttention(plan)
     with torch.no_grad(), KeepFloat64(), use_cp_attention(attn):
         got = model(**prepare_batch(attn, ids)).logits[0]
     assert (got - want).abs().max().item() <= 1e-12
+
+
+def test_check_plan_needs_an_enabled_model() -> None:
+    with pytest.raises(ValueError, match=r"^check_plan: the model was not passed to enable_cp_attention"):
+        check_plan(model_of("Mistral", sliding_window=8), one_rank_plan([5, 17]))
 
 
 class _Module(torch.nn.Module):
@@ -128,8 +123,9 @@ def test_attention_function_refuses_unknown_keywords_naming_them() -> None:
         _call(softcap=30.0)
     with pytest.raises(ValueError, match=r"^is_causal: bidirectional attention \(layer 3\)"):
         _call(is_causal=False)
-    with pytest.raises(ValueError, match=r"^sliding_window: layer 3 has a window of 5 tokens but the plan's longest document has 6"):
-        _call(sliding_window=5)
+    with pytest.raises(ValueError, match=r"^sliding_window: the window of layer 3 must be None or an integer >= 1, got 0"):
+        _call(sliding_window=0)
+    assert not torch.equal(_call()[0], _call(sliding_window=5)[0])  # a window that bites runs
     # Harmless keywords pass and change nothing; so do a causal flag, no soft-cap, a wide window.
     plain = _call()[0]
     harmless = {k: None for k in HARMLESS_KEYWORDS}
@@ -148,14 +144,3 @@ def test_refuses_a_padding_mask_with_zeros_and_allows_an_all_ones_one() -> None:
         ones[0, 3] = 0
         with pytest.raises(ValueError, match=r"^attention_mask: a padding mask with zeros is not implemented"):
             model(**batch, attention_mask=ones)
-
-
-def test_rejects_gpt_oss_documents_longer_than_its_sliding_layers_window() -> None:
-    from test_hf_gpt_oss import WINDOW, tiny_gpt_oss
-
-    model = enable_cp_attention(tiny_gpt_oss())
-    check_plan(model, one_rank_plan([WINDOW, 3]))  # as long as the window: exactly causal
-    with pytest.raises(ValueError, match=rf"^sliding_window: layer 0 has a window of {WINDOW} tokens but the "
-                                         rf"plan's longest document has {WINDOW + 1}; .*raise config\.sliding_window "
-                                         rf"to >= {WINDOW + 1}, set config\.layer_types\[0\] = 'full_attention'"):
-        check_plan(model, one_rank_plan([WINDOW + 1, 3]))

@@ -120,6 +120,7 @@ def test_probe_accepts_the_faithful_standin(dtype) -> None:
     ({"top_left": True}, r"probe: out differs .*causal=True"),
     ({"base2": True}, r"probe: lse differs"),
     ({"zero_query_dk": True}, r"probe: dk differs .*cu_q=\[0, 2, 2, 5, 6\]"),
+    ({"ignore_window": True}, r"probe: out differs .*window=2"),
 ])
 def test_probe_refuses_a_kernel_whose_answers_differ(monkeypatch, flags, message) -> None:
     with pytest.raises(FlashApiError, match=message):

@@ -216,17 +216,25 @@ def test_simulated_segments_equal_reference_for_whole_plans(lengths, cp_size, st
 # -- flash-attn's adapter on CPU (a stand-in API) and the fallback ----------------------------
 
 
+def _standin_window(left: int, right: int) -> int | None:
+    """flash-attn's ``(window_size_left, window_size_right)`` as the reference's window."""
+    assert (left, right) == (-1, -1) or (left >= 0 and right == 0), (left, right)
+    return None if left == -1 else left + 1
+
+
 def flash_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                   softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                   alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
                   seqused_k=None, zero_tensors=False):
     """flash-attn 2.8.3's ``_flash_attn_varlen_forward`` contract on any device: out in q's
-    dtype, lse ``[H, total_q]`` float32, a query without keys gets out 0 and lse +inf."""
-    assert dropout_p == 0.0 and window_size_left == window_size_right == -1 and not return_softmax
+    dtype, lse ``[H, total_q]`` float32, a query without keys gets out 0 and lse +inf; a
+    causal call's window ``(W - 1, 0)``."""
+    assert dropout_p == 0.0 and not return_softmax
     ref = ReferenceSegments()
     cu_q, cu_k = cu_seqlens_q.cpu().numpy(), cu_seqlens_k.cpu().numpy()
     assert max_seqlen_q == np.diff(cu_q).max() and max_seqlen_k == np.diff(cu_k).max()
-    out, lse = ref.forward(q, k, v, ref.meta(cu_q, cu_k, causal, q.device), softmax_scale)
+    meta = ref.meta(cu_q, cu_k, causal, q.device, window=_standin_window(window_size_left, window_size_right))
+    out, lse = ref.forward(q, k, v, meta, softmax_scale)
     none = torch.from_numpy(np.repeat(np.diff(cu_k) == 0, np.diff(cu_q)))
     out = out.masked_fill(none[:, None, None], 0.0)
     return out.to(q.dtype), lse.float().masked_fill(none[None, :], math.inf), None, None
@@ -239,7 +247,8 @@ def flash_standin_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqle
     """``_flash_attn_varlen_backward``'s contract: writes dq, dk, dv (q's dtype) in place."""
     assert softmax_lse.is_contiguous() and softmax_lse.dtype == torch.float32
     ref = ReferenceSegments()
-    meta = ref.meta(cu_seqlens_q.cpu().numpy(), cu_seqlens_k.cpu().numpy(), causal, q.device)
+    meta = ref.meta(cu_seqlens_q.cpu().numpy(), cu_seqlens_k.cpu().numpy(), causal, q.device,
+                    window=_standin_window(window_size_left, window_size_right))
     for dst, src in zip((dq, dk, dv), ref.backward(dout, q, k, v, out, softmax_lse, meta, softmax_scale),
                         strict=True):
         dst.copy_(src)

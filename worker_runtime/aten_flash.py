@@ -9,7 +9,8 @@ beyond PyTorch:
 - forward ``(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
   return_debug_mask, *, scale, ...) -> (output, softmax_logsumexp [H, T] float32,
   rng_state, unused, debug_attn_mask)``; causal alignment bottom-right, a query that sees
-  no key gives out 0 and LSE +inf;
+  no key gives out 0 and LSE +inf; a windowed call passes ``window_size_left = W - 1`` and
+  ``window_size_right = 0`` (keywords of both ops);
 - backward ``(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
   max_k, dropout_p, is_causal, rng_state, unused, *, scale, ...) -> (dq, dk, dv)`` takes
   ``out`` and ``logsumexp`` as plain inputs, so the merged output and LSE of all parts go
@@ -59,6 +60,7 @@ from worker_runtime.segkernels import (
     SegmentKernel,
     SegmentMeta,
     flash_segments,
+    flash_window,
     probe,
     segment_meta,
 )
@@ -160,14 +162,22 @@ class AtenSegments:
         self._rng: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def meta(self, cu_q: np.ndarray, cu_k: np.ndarray, causal: bool,
-             device: torch.device) -> SegmentMeta:
-        return segment_meta(cu_q, cu_k, causal, device, None)
+             device: torch.device, window: int | None = None) -> SegmentMeta:
+        return segment_meta(cu_q, cu_k, causal, device, None, window)
+
+    @staticmethod
+    def _window(meta: SegmentMeta) -> dict[str, int]:
+        """The ops' ``window_size_left/right`` keywords of a windowed call (none without)."""
+        if meta.window is None:
+            return {}
+        left, right = flash_window(meta)
+        return {"window_size_left": left, "window_size_right": right}
 
     def forward(self, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
                 meta: SegmentMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         result = self.ops.forward(q_THD, k_KGD, v_KGD, meta.cu_seqlens_q, meta.cu_seqlens_k,
                                   meta.max_seqlen_q, meta.max_seqlen_k, 0.0, meta.causal, False,
-                                  scale=scale)
+                                  scale=scale, **self._window(meta))
         return result[0], result[1]
 
     def backward(self, dout_THD: torch.Tensor, q_THD: torch.Tensor, k_KGD: torch.Tensor,
@@ -181,7 +191,8 @@ class AtenSegments:
         dq, dk, dv = self.ops.backward(
             dout_THD.contiguous(), q_THD, k_KGD, v_KGD, out_THD.to(q_THD.dtype).contiguous(),
             lse_HT.to(torch.float32).contiguous(), meta.cu_seqlens_q, meta.cu_seqlens_k,
-            meta.max_seqlen_q, meta.max_seqlen_k, 0.0, meta.causal, rng, unused, scale=scale)
+            meta.max_seqlen_q, meta.max_seqlen_k, 0.0, meta.causal, rng, unused, scale=scale,
+            **self._window(meta))
         return dq, dk, dv
 
 

@@ -31,7 +31,8 @@ path's log-sum-exp after its last part (``sinks.py``); the gathered path with a 
 its one call as a segment kernel call (flash-attn's varlen forward/backward, or the exact
 reference on the torch kernel), which returns the log-sum-exp the merge needs.
 
-``segment_kernel`` runs the segments path (or the segment ring) with another kernel on any
+Sliding-window layers (``attention(..., window=W)``) run on every path as ``windows.py``
+describes. ``segment_kernel`` runs the segments path (or the segment ring) with another kernel on any
 device (the tests pass the exact ``segkernels.ReferenceSegments``). ``overlap=False`` waits
 for every exchange right after starting it (same arithmetic).
 Backward runs the collectives in reverse, so every rank of a group must call backward if
@@ -53,7 +54,13 @@ from worker_runtime import dispatch as _dispatch
 from worker_runtime.aten_flash import RUNTIME_KERNELS, choose_kernel, kernel_record
 from worker_runtime.comm import CommCounter, Exchanger, KVExchange
 from worker_runtime.groups import group_cache
-from worker_runtime.kernels import VarlenMeta, build_meta, uses_flash, varlen_attention
+from worker_runtime.kernels import (
+    VarlenMeta,
+    build_meta,
+    check_window,
+    uses_flash,
+    varlen_attention,
+)
 from worker_runtime.layout import (
     COMM_MODES,
     CommMap,
@@ -75,6 +82,7 @@ from worker_runtime.segkernels import (
 )
 from worker_runtime.segring import SegmentRingAttention, build_segment_ring_state
 from worker_runtime.sinks import GatheredSinkAttention, check_sink
+from worker_runtime.windows import run_windowed
 
 VERIFY = ("first", "always", "never")
 FLASH_PATHS = ("segments", "gathered")
@@ -100,9 +108,9 @@ class _DeviceState(NamedTuple):
     kv_index: torch.Tensor
     exchanger: Exchanger
     lean: LeanState
-    paths: dict[tuple[str, str], Any]
+    paths: dict[tuple[Any, ...], Any]
     """The ring's, segments path's and segment ring's state per (path, segment kernel
-    name), built on first use."""
+    name), and per (path, kernel name, window) for sliding-window calls; built on first use."""
 
 
 class ContextParallelAttention:
@@ -232,27 +240,33 @@ class ContextParallelAttention:
     # -- attention ---------------------------------------------------------------------
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-        sink: torch.Tensor | None = None,
+        sink: torch.Tensor | None = None, window: int | None = None,
     ) -> torch.Tensor:
         """Context-parallel attention on local ``q [T, H, D]``, ``k, v [T, G, D]``.
 
         ``sink``: None, or one logit per query head ``[H]`` added to every query's softmax
         denominator (attention sinks, ``sinks.py``; differentiable, each rank's gradient is
-        the part of its own queries). Returns the local output ``[T, H, D]``; padding rows
-        are zero. Raises ValueError for a sink of another shape, CollectiveCheckError on
+        the part of its own queries). ``window``: None (causal) or a sliding window W, the
+        query at doc position p attending keys ``[max(0, p - W + 1), p]`` (transformers'
+        ``sliding_window``; ``windows.py``); every rank of the group passes the same. Returns
+        the local output ``[T, H, D]``; padding rows are zero. Raises ValueError for a sink
+        of another shape or a window below 1, CollectiveCheckError on
         every rank of the group if any rank's inputs do not match the plan (checked on the
         first call, or every call with verify='always').
         """
         lay = self.layout
         check_sink(sink, q.shape[1])
+        window = check_window(window)
         path, segment_kernel = self.execution_path(q)
-        self._check(q, k, v, path)
+        self._check(q, k, v, path, window)
         if lay.group_index < 0:
             # No rows; tied to q, k, v so a caller's backward gives them (empty) gradients.
             tied = (k.sum() + v.sum() + (sink.sum() if sink is not None else 0)) * 0
             return q * 0 + tied
         state = self._state(q.device)
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        if window is not None:
+            return run_windowed(self, q, k, v, state, path, segment_kernel, scale, sink, window)
         if path == "segments":
             assert segment_kernel is not None
             seg = self._path_state(state, path, segment_kernel, lambda: build_segment_state(
@@ -325,7 +339,8 @@ class ContextParallelAttention:
             return "gathered", None, True
         return ("ring" if ring else "lean"), None, False
 
-    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str) -> None:
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str,
+               window: int | None = None) -> None:
         if self.verify == "never" or (self.verify == "first" and self._verified):
             return
         problem = local_input_problem(q, k, v, self.layout.num_tokens, self.rank)
@@ -334,8 +349,11 @@ class ContextParallelAttention:
                 raise CollectiveCheckError(f"attention: rank {self.rank}: {problem}")
         else:
             # The path too: ranks on different paths would run different collectives.
-            extra = {"dtype": str(q.dtype), "heads": tuple(q.shape[1:]),
-                     "kv_heads": tuple(k.shape[1:]), "path": path}
+            extra: dict[str, Any] = {"dtype": str(q.dtype), "heads": tuple(q.shape[1:]),
+                                     "kv_heads": tuple(k.shape[1:]), "path": path}
+            if window is not None:
+                # Ranks on different windows would run different exchanges.
+                extra["window"] = window
             agree(self.process_group, rank=self.rank, plan_id=self.plan.plan_id, problem=problem,
                   where="attention", extra=extra)
         self._verified = True
@@ -375,9 +393,11 @@ class ContextParallelAttention:
 
     @staticmethod
     def _path_state(state: _DeviceState, path: str, kernel: SegmentKernel | None,
-                    build: Callable[[], Any]) -> Any:
-        """The state of ``path`` with ``kernel`` on ``state``'s device, built once."""
-        key = (path, kernel.name if kernel is not None else "")
+                    build: Callable[[], Any], window: int | None = None) -> Any:
+        """The state of ``path`` with ``kernel`` (and ``window``) on ``state``'s device, built once."""
+        key: tuple[Any, ...] = (path, kernel.name if kernel is not None else "")
+        if window is not None:
+            key += (window,)
         if key not in state.paths:
             state.paths[key] = build()
         return state.paths[key]

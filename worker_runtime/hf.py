@@ -26,14 +26,12 @@ import torch
 
 from planner_service.core.plan import Plan
 from worker_runtime.attention import ContextParallelAttention
-from worker_runtime.hf_check import LayerWindow, ModelSupport, inspect_model, window_problem
+from worker_runtime.hf_check import ModelSupport, inspect_model
 
 ATTN_IMPLEMENTATION = "cp_planner"
 IGNORE_INDEX = -100
 SUPPORT_ATTRIBUTE = "_cp_planner_support"
 _ACTIVE: ContextVar[ContextParallelAttention | None] = ContextVar("cp_attention", default=None)
-_CHECKED: dict[tuple[LayerWindow, ...], str] = {}
-"""A model's windows -> the plan_id last checked against them (one entry per model kind)."""
 
 
 HARMLESS_KEYWORDS = {
@@ -53,8 +51,8 @@ HARMLESS_KEYWORDS = {
 }
 """Keywords transformers (5.x: ``TransformersKwargs``, ``FlashAttentionKwargs`` and the model
 families' attention calls) passes to an attention function that do not change the
-attention: accepted and ignored. Checked keywords: ``sliding_window`` (a window at least as
-long as the plan's longest document is causal), ``s_aux`` (attention sinks, one logit per
+attention: accepted and ignored. Checked keywords: ``sliding_window`` (the layer's window,
+run exactly: ``attention(window=)``; None: causal), ``s_aux`` (attention sinks, one logit per
 head), ``softcap`` (refused unless None or 0), ``is_causal`` (refused if False),
 ``output_attentions`` (refused if true: no weights are formed). Any other keyword is
 refused."""
@@ -86,12 +84,9 @@ def _check_keywords(module: Any, attn: ContextParallelAttention, kwargs: dict[st
         raise ValueError("output_attentions: the CP runtime forms no attention weights; pass "
                          "output_attentions=False")
     window = kwargs.get("sliding_window")
-    if window is not None:
-        layer = getattr(module, "layer_idx", 0) or 0
-        problem = window_problem((LayerWindow(int(layer), int(window), "config.sliding_window"),),
-                                 attn.plan.doc_lengths)
-        if problem:
-            raise ValueError(problem)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window: the window of {where} must be None or an integer >= 1, "
+                         f"got {window!r}")
 
 
 def cp_attention_forward(
@@ -110,10 +105,10 @@ def cp_attention_forward(
 
     ``s_aux`` (attention sinks, ``[H]``) is merged exactly (``sinks.py``). Raises
     RuntimeError if no runtime is active; ValueError for batch size != 1, dropout, an
-    attention mask (the plan defines the document mask), a sliding window shorter than the
-    plan's longest document, soft-capping, non-causal attention, or any keyword outside
-    HARMLESS_KEYWORDS and CHECKED_KEYWORDS. On the first call with a runtime, every window
-    ``enable_cp_attention`` recorded is checked against its plan (``check_plan``).
+    attention mask (the plan defines the document mask), a sliding window below 1,
+    soft-capping, non-causal attention, or any keyword outside HARMLESS_KEYWORDS and
+    CHECKED_KEYWORDS. A layer's ``sliding_window`` W runs exactly as the runtime's
+    ``window=W`` (the query at p attends keys ``p - W + 1 .. p``, transformers' mask).
     """
     attn = cp_attention if cp_attention is not None else _ACTIVE.get()
     if attn is None:
@@ -121,9 +116,6 @@ def cp_attention_forward(
             "no ContextParallelAttention is active: wrap the model call in "
             "`with use_cp_attention(attn):` or pass cp_attention=attn"
         )
-    support = getattr(module, SUPPORT_ATTRIBUTE, None)
-    if support is not None:
-        check_plan(support, attn.plan)
     if query.shape[0] != 1:
         raise ValueError(f"batch size must be 1 (one packed sequence per rank), got {query.shape[0]}")
     if dropout:
@@ -139,7 +131,7 @@ def cp_attention_forward(
         # Latent attention (MLA): zero columns of V give zero output columns; exact.
         value = torch.nn.functional.pad(value, (0, key.shape[-1] - head_dim_v))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    out = attn(q, k, v, softmax_scale=scaling, sink=kwargs.get("s_aux"))
+    out = attn(q, k, v, softmax_scale=scaling, sink=kwargs.get("s_aux"), window=kwargs.get("sliding_window"))
     return out[..., :head_dim_v].unsqueeze(0), None
 
 
@@ -168,8 +160,8 @@ def enable_cp_attention(model: Any, name: str = ATTN_IMPLEMENTATION) -> Any:
     """Check ``model`` (``hf_check.inspect_model``), register the CP attention and switch
     ``model`` to it; returns the model. Raises ValueError, one line naming the option, the
     layer and the config field, for what the runtime cannot run exactly (non-attention
-    mixers, soft-capping, bidirectional attention); windows are checked against each plan
-    (``check_plan``)."""
+    mixers, soft-capping, bidirectional attention). Sliding-window layers run exactly, each
+    call's ``sliding_window`` passed to the runtime."""
     support = inspect_model(model)
     model.set_attn_implementation(register_cp_attention(name))
     for module in model.modules():
@@ -180,20 +172,12 @@ def enable_cp_attention(model: Any, name: str = ATTN_IMPLEMENTATION) -> Any:
 
 
 def check_plan(support: ModelSupport | Any, plan: Plan) -> None:
-    """Raise ValueError (layer, window, longest document, config field) if some layer's
-    sliding window is shorter than ``plan``'s longest document. ``support``: a model
-    passed to ``enable_cp_attention`` or its ``ModelSupport``. A plan just checked against
-    the same windows is not checked again."""
-    if not isinstance(support, ModelSupport):
-        support = getattr(support, SUPPORT_ATTRIBUTE, None)
-        if support is None:
-            raise ValueError("check_plan: the model was not passed to enable_cp_attention")
-    if _CHECKED.get(support.windows) == plan.plan_id:
-        return
-    problem = window_problem(support.windows, plan.doc_lengths)
-    if problem:
-        raise ValueError(problem)
-    _CHECKED[support.windows] = plan.plan_id
+    """Check, before the first step, that ``plan`` can run ``support`` (a model passed to
+    ``enable_cp_attention`` or its ``ModelSupport``). Every sliding window runs exactly
+    whatever the documents' lengths, so nothing in a plan is refused; ValueError if the
+    model was not passed to ``enable_cp_attention``."""
+    if not isinstance(support, ModelSupport) and getattr(support, SUPPORT_ATTRIBUTE, None) is None:
+        raise ValueError("check_plan: the model was not passed to enable_cp_attention")
 
 
 @contextmanager

@@ -14,10 +14,9 @@ field to change.
   (``_supports_attention_backend`` False: hand-written attention, ALiBi or learned
   positions computed from the local sequence).
 
-Sliding windows are recorded per layer (``ModelSupport.windows``): a window at least as
-long as every document is exactly causal, so ``check_plan`` refuses, before any attention
-runs, a plan whose longest document is longer than some layer's window (windows shorter
-than a document are not implemented).
+Sliding windows are recorded per layer (``ModelSupport.windows``); the attention function
+runs each layer's ``sliding_window`` exactly (``ContextParallelAttention.attention(window=)``),
+whatever the documents' lengths.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import re
 from typing import Any, NamedTuple
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-"""``config.layer_types`` entries the runtime runs (a sliding layer under ``check_plan``)."""
+"""``config.layer_types`` entries the runtime runs (a sliding layer with its window)."""
 
 MIXER_NAME = re.compile(
     r"Mamba|Rwkv|RWKV|LSTM|Lstm|DeltaNet|GatedDelta|KimiDelta|Lightning|ShortConv|Hyena|"
@@ -136,18 +135,3 @@ def inspect_model(model: Any) -> ModelSupport:
                          f"config.attn_logit_softcapping = None")
     num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     return ModelSupport(num_layers, _windows(config, num_layers))
-
-
-def window_problem(windows: tuple[LayerWindow, ...], doc_lengths: Any) -> str | None:
-    """The refusal for the first layer whose window is shorter than the longest document,
-    or None when every window is exactly causal for these documents."""
-    longest = max((int(x) for x in doc_lengths), default=0)
-    for w in windows:
-        if w.window < longest:
-            return (f"sliding_window: layer {w.layer} has a window of {w.window} tokens but the plan's "
-                    f"longest document has {longest}; windows shorter than a document are not "
-                    f"implemented by the CP runtime (a window >= every document runs exactly as "
-                    f"causal): raise {w.field} to >= {longest}"
-                    + (f", set config.layer_types[{w.layer}] = 'full_attention'" if w.typed else "")
-                    + f", or plan documents of at most {w.window} tokens")
-    return None

@@ -5,6 +5,10 @@ Both compute, for every segment j, queries ``q[cu_q[j]:cu_q[j+1]]`` against keys
 key; query t of a segment of Lq queries and Lk keys sees keys ``[0, Lk - Lq + t]``),
 which is exactly "queries of shard (d, p, e) attend keys [0, e) of doc d".
 
+A sliding window ``W`` (``window=``, None: causal) keeps, of those keys, the ones within
+``W - 1`` positions of the query's own: query t sees keys ``[Lk - Lq + t - W + 1, Lk - Lq
++ t]`` (transformers' ``sliding_window`` and flash-attn's ``window_size = (W - 1, 0)``).
+
 Shape legend: T = query rows, K = key rows, H = query heads, G = KV heads (GQA, H = G x R),
 D = head dim. ``q_THD``, ``k_KGD``; query head h uses KV head h // R (flash-attn's rule).
 
@@ -50,6 +54,17 @@ class VarlenMeta(NamedTuple):
     k_pos: torch.Tensor
     blocks: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
     """(q0, q1, key blocks) tiles that hold every unmasked pair (torch kernel only)."""
+    window: int | None = None
+    """Sliding window: a query at position p sees keys ``(p - window, p]``; None: causal."""
+
+
+def check_window(window: int | None) -> int | None:
+    """``window`` itself if None or an integer >= 1; else ValueError naming it."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be None (causal) or an integer >= 1, got {window!r}")
+    return int(window)
 
 
 def build_meta(
@@ -59,9 +74,12 @@ def build_meta(
     *,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    window: int | None = None,
 ) -> VarlenMeta:
-    """Metadata for segments with the given boundaries; raises ValueError if a segment has
-    more queries than keys (bottom-right alignment would leave queries with no key)."""
+    """Metadata for segments with the given boundaries (``window``: the sliding window, None
+    causal); raises ValueError if a segment has more queries than keys (bottom-right
+    alignment would leave queries with no key) or for a window below 1."""
+    window = check_window(window)
     cu_q = np.asarray(cu_seqlens_q, dtype=np.int64)
     cu_k = np.asarray(cu_seqlens_k, dtype=np.int64)
     lq, lk = np.diff(cu_q), np.diff(cu_k)
@@ -76,8 +94,11 @@ def build_meta(
     num_q = int(cu_q[-1]) if len(cu_q) else 0
     for q0 in range(0, num_q, block_q):
         q1 = min(q0 + block_q, num_q)
-        # Keys from the first query's segment start to the last query's own limit.
+        # Keys from the first query's segment start (window: its window's start) to the
+        # last query's own limit.
         k_lo = int(cu_k[q_seg[q0]])
+        if window is not None:
+            k_lo += max(0, int(q_limit[q0]) - window + 1)
         k_hi = int(cu_k[q_seg[q1 - 1]] + q_limit[q1 - 1] + 1)
         keys = tuple((k0, min(k0 + block_k, k_hi)) for k0 in range(k_lo, k_hi, block_k))
         blocks.append((q0, q1, keys))
@@ -91,7 +112,7 @@ def build_meta(
         max_seqlen_q=int(lq.max(initial=0)),
         max_seqlen_k=int(lk.max(initial=0)),
         q_seg=tensor(q_seg), q_limit=tensor(q_limit), k_seg=tensor(k_seg), k_pos=tensor(k_pos),
-        blocks=tuple(blocks),
+        blocks=tuple(blocks), window=window,
     )
 
 
@@ -104,15 +125,19 @@ def build_masked_meta(
     *,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    window: int | None = None,
 ) -> VarlenMeta:
-    """Torch-kernel metadata for "query (doc, pos) sees key (doc, p) iff p <= pos".
+    """Torch-kernel metadata for "query (doc, pos) sees key (doc, p) iff p <= pos" (and
+    ``p > pos - window`` under a sliding window).
 
     Queries and keys are each sorted by (doc, pos); keys need not be contiguous in
     position (a rank's own pieces of a doc, a peer's block, the remote pieces it needs).
     Key rows with a doc no query has (padding: any negative doc) are never seen. Each query
     block reads the keys from its first query's doc start to its last query's own
-    position. No cu_seqlens (flash-attn cannot take this form). O(T + K) numpy.
+    position (window: from its first query's window start). No cu_seqlens (flash-attn
+    cannot take this form). O(T + K) numpy.
     """
+    window = check_window(window)
     q_seg, q_pos = np.asarray(q_seg, np.int64), np.asarray(q_pos, np.int64)
     k_seg, k_pos = np.asarray(k_seg, np.int64), np.asarray(k_pos, np.int64)
     stride = int(max(q_pos.max(initial=0), k_pos.max(initial=0))) + 1
@@ -120,7 +145,8 @@ def build_masked_meta(
     blocks = []
     for q0 in range(0, len(q_seg), block_q):
         q1 = min(q0 + block_q, len(q_seg))
-        k_lo = int(np.searchsorted(k_key, q_seg[q0] * stride, side="left"))
+        low = 0 if window is None else max(0, int(q_pos[q0]) - window + 1)
+        k_lo = int(np.searchsorted(k_key, q_seg[q0] * stride + low, side="left"))
         k_hi = int(np.searchsorted(k_key, q_seg[q1 - 1] * stride + q_pos[q1 - 1], side="right"))
         keys = tuple((k0, min(k0 + block_k, k_hi)) for k0 in range(k_lo, k_hi, block_k))
         blocks.append((q0, q1, keys))
@@ -132,7 +158,7 @@ def build_masked_meta(
     return VarlenMeta(
         cu_seqlens_q=empty, cu_seqlens_k=empty, max_seqlen_q=0, max_seqlen_k=0,
         q_seg=tensor(q_seg), q_limit=tensor(q_pos), k_seg=tensor(k_seg), k_pos=tensor(k_pos),
-        blocks=tuple(blocks),
+        blocks=tuple(blocks), window=window,
     )
 
 
@@ -156,7 +182,8 @@ def varlen_attention(
     softmax_scale: float,
     kernel: str = "auto",
 ) -> torch.Tensor:
-    """Segment-wise bottom-right causal attention, differentiable; returns ``[T, H, D]``.
+    """Segment-wise bottom-right causal attention (``meta.window``: sliding), differentiable;
+    returns ``[T, H, D]``.
 
     ``kernel``: ``flash`` (flash_attn_varlen_func; CUDA, fp16/bf16), ``torch`` (exact) or
     ``auto`` (flash when available for this device and dtype, else torch).
@@ -174,13 +201,17 @@ def varlen_attention(
             q_THD, k_KGD, v_KGD, meta.cu_seqlens_q, meta.cu_seqlens_k,
             meta.max_seqlen_q, meta.max_seqlen_k, dropout_p=0.0,
             softmax_scale=softmax_scale, causal=True,
+            window_size=(-1, -1) if meta.window is None else (meta.window - 1, 0),
         )
     return _TorchVarlen.apply(q_THD, k_KGD, v_KGD, meta, softmax_scale)
 
 
 def _block_mask(meta: VarlenMeta, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
     same = meta.q_seg[q0:q1, None] == meta.k_seg[None, k0:k1]
-    return same & (meta.k_pos[None, k0:k1] <= meta.q_limit[q0:q1, None])
+    seen = same & (meta.k_pos[None, k0:k1] <= meta.q_limit[q0:q1, None])
+    if meta.window is not None:
+        seen &= meta.k_pos[None, k0:k1] > meta.q_limit[q0:q1, None] - meta.window
+    return seen
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -285,3 +316,19 @@ class _TorchVarlen(torch.autograd.Function):
         return (
             dq.view(t, h, d).to(q_THD.dtype), dk.to(k_KGD.dtype), dv.to(v_KGD.dtype), None, None,
         )
+
+
+def rows_in_window(q_doc: np.ndarray, q_pos: np.ndarray, k_doc: np.ndarray, k_pos: np.ndarray,
+                   window: int) -> np.ndarray:
+    """Query rows (doc, pos) that see at least one key (doc, p) with ``pos - window < p <=
+    pos``; keys in any order, negative docs (padding) ignored. O((T + K) log K) numpy."""
+    q_doc, q_pos = np.asarray(q_doc, np.int64), np.asarray(q_pos, np.int64)
+    real = np.asarray(k_doc) >= 0
+    k_doc, k_pos = np.asarray(k_doc, np.int64)[real], np.asarray(k_pos, np.int64)[real]
+    if len(k_doc) == 0 or len(q_doc) == 0:
+        return np.zeros(0, dtype=np.int64)
+    stride = int(max(q_pos.max(), k_pos.max())) + 1
+    key = np.sort(k_doc * stride + k_pos)
+    hi = np.searchsorted(key, q_doc * stride + q_pos, side="right")
+    lo = np.searchsorted(key, q_doc * stride + np.maximum(q_pos - window + 1, 0), side="left")
+    return np.flatnonzero(hi > lo)

@@ -46,15 +46,20 @@ from worker_runtime.kernels import (
     attention_backward,
     attention_forward,
     build_masked_meta,
+    rows_in_window,
 )
 from worker_runtime.layout import CommMap, RankLayout
 from worker_runtime.sinks import merge_sink_, sink_grad
 
 
-def remote_query_rows(layout: RankLayout, comm: CommMap) -> np.ndarray:
+def remote_query_rows(layout: RankLayout, comm: CommMap, window: int | None = None) -> np.ndarray:
     """Local rows (real tokens, ascending) whose query sees at least one remote key: the
-    rows of a doc at or after the doc's first remote token. O(T + R log D)."""
+    rows of a doc at or after the doc's first remote token (``window``: with a remote key
+    in the query's window). O(T + R log D)."""
     r = layout.num_real
+    if window is not None:
+        return rows_in_window(layout.doc_ids[:r], layout.positions[:r], comm.remote_doc,
+                              comm.remote_pos, window)
     if len(comm.remote_doc) == 0:
         return np.zeros(0, dtype=np.int64)
     docs, first = np.unique(comm.remote_doc, return_index=True)
@@ -65,10 +70,10 @@ def remote_query_rows(layout: RankLayout, comm: CommMap) -> np.ndarray:
     return np.flatnonzero(hit)
 
 
-def local_share(layout: RankLayout, comm: CommMap) -> tuple[int, int]:
+def local_share(layout: RankLayout, comm: CommMap, window: int | None = None) -> tuple[int, int]:
     """(queries that see only local keys, real queries) of this rank: the queries whose
     attention is complete before any remote KV arrives."""
-    return layout.num_real - len(remote_query_rows(layout, comm)), layout.num_real
+    return layout.num_real - len(remote_query_rows(layout, comm, window)), layout.num_real
 
 
 class LeanState(NamedTuple):
@@ -86,18 +91,22 @@ class LeanState(NamedTuple):
     exchanger: Exchanger
 
 
-def build_state(layout: RankLayout, exchanger: Exchanger, device: torch.device) -> LeanState:
+def build_state(layout: RankLayout, exchanger: Exchanger, device: torch.device,
+                window: int | None = None) -> LeanState:
+    """The lean path's state for ``exchanger``'s comm map; ``window``: a sliding-window
+    layer's masks (the remote part's queries are those with a remote key in their window)."""
     comm, r = exchanger.comm, layout.num_real
     doc, pos = layout.doc_ids[:r], layout.positions[:r]
-    rows = remote_query_rows(layout, comm)
+    rows = remote_query_rows(layout, comm, window)
 
     def tensor(x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
 
     return LeanState(
         num_real=r,
-        local_meta=build_masked_meta(doc, pos, doc, pos, device),
-        remote_meta=build_masked_meta(doc[rows], pos[rows], comm.remote_doc, comm.remote_pos, device),
+        local_meta=build_masked_meta(doc, pos, doc, pos, device, window=window),
+        remote_meta=build_masked_meta(doc[rows], pos[rows], comm.remote_doc, comm.remote_pos, device,
+                                      window=window),
         query_rows=tensor(rows),
         select=tensor(exchanger.gathered_row(comm.remote_index)),
         recv_index=tensor(comm.remote_index),

@@ -40,10 +40,12 @@ from worker_runtime.kernels import (
     attention_backward,
     attention_forward,
     build_masked_meta,
+    rows_in_window,
 )
 from worker_runtime.layout import RankLayout, expand_ranges
 from worker_runtime.overlap import merge_parts
 from worker_runtime.sinks import merge_sink_, sink_grad
+from worker_runtime.window_map import ring_steps
 
 
 def rows_seeing(doc: np.ndarray, pos: np.ndarray, key_doc: np.ndarray, key_pos: np.ndarray) -> np.ndarray:
@@ -90,6 +92,10 @@ class RingState(NamedTuple):
     steps: tuple[RingStep, ...]
     """Step s (1..N-1) at index s - 1: the block of slot ``slot - s``."""
     link: RingLink
+    num_steps: int | None = None
+    """Steps the ring runs (None: N - 1; a windowed layer: its last useful step)."""
+    back: RingLink | None = None
+    """Where the last backward accumulator goes when the ring stops early (its owner)."""
 
 
 def slot_rows(layout: RankLayout, slot: int) -> tuple[np.ndarray, np.ndarray]:
@@ -105,20 +111,31 @@ def slot_rows(layout: RankLayout, slot: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_ring_state(layout: RankLayout, group: Any, order: Any, counter: CommCounter,
-                     device: torch.device) -> RingState:
+                     device: torch.device, window: int | None = None) -> RingState:
     """Per-step query rows and kernel metadata of one rank (``order[slot]``: the slot's rank
-    inside ``group``)."""
+    inside ``group``; ``window``: a sliding-window layer's masks, a step's queries being
+    those with a key of the block in their window)."""
     r, n, i = layout.num_real, layout.num_ranks, layout.slot
     doc, pos = layout.doc_ids[:r], layout.positions[:r]
     steps = []
     for s in range(1, n):
         key_doc, key_pos = slot_rows(layout, (i - s) % n)
-        rows = rows_seeing(doc, pos, key_doc, key_pos)
-        meta = build_masked_meta(doc[rows], pos[rows], key_doc, key_pos, device)
+        if window is None:
+            rows = rows_seeing(doc, pos, key_doc, key_pos)
+        else:
+            rows = rows_in_window(doc, pos, key_doc, key_pos, window)
+        meta = build_masked_meta(doc[rows], pos[rows], key_doc, key_pos, device, window=window)
         steps.append(RingStep(torch.from_numpy(rows).to(device), meta))
+    link = ring_link(layout, group, order, counter)
+    num_steps, back = None, None
+    if window is not None:
+        num_steps = ring_steps(layout, window)[1]
+        if num_steps < n - 1:
+            ranks = list(order) if order is not None else list(range(n))
+            back = RingLink(group, ranks[(i - num_steps) % n], ranks[(i + num_steps) % n], counter)
     return RingState(
-        num_real=r, num_ranks=n, local_meta=build_masked_meta(doc, pos, doc, pos, device),
-        steps=tuple(steps), link=ring_link(layout, group, order, counter),
+        num_real=r, num_ranks=n, local_meta=build_masked_meta(doc, pos, doc, pos, device, window=window),
+        steps=tuple(steps), link=link, num_steps=num_steps, back=back,
     )
 
 
@@ -140,60 +157,69 @@ Block = tuple[torch.Tensor, torch.Tensor]
 
 
 def circulate(link: RingLink, num_ranks: int, block: Block, overlap: bool, direction: str,
-              local: Callable[[], None]) -> Iterator[tuple[int, Block]]:
+              local: Callable[[], None], steps: int | None = None) -> Iterator[tuple[int, Block]]:
     """The block schedule both passes share: the own block leaves for the next slot, then
-    ``local()`` runs; for s = 1 .. N - 1 the block of slot ``i - s`` arrives, leaves again
-    (not after the last step) and is yielded as ``(s, block)`` while it travels on.
+    ``local()`` runs; for s = 1 .. N - 1 (``steps``: 1 .. steps, a windowed layer's last
+    useful step) the block of slot ``i - s`` arrives, leaves again (not after the last
+    step) and is yielded as ``(s, block)`` while it travels on.
     ``overlap=False`` waits for each transfer right after starting it."""
-    pending = shift(link, block, direction) if num_ranks > 1 else None
+    last = num_ranks - 1 if steps is None else steps
+    pending = shift(link, block, direction) if last > 0 else None
     arrived = pending.wait() if pending is not None and not overlap else None
     local()
-    for s in range(1, num_ranks):
+    for s in range(1, last + 1):
         if overlap:
             arrived = pending.wait()  # type: ignore[union-attr]
         assert arrived is not None
         block = arrived
-        pending = shift(link, block, direction) if s < num_ranks - 1 else None
+        pending = shift(link, block, direction) if s < last else None
         if pending is not None and not overlap:
             arrived = pending.wait()
         yield s, block
 
 
 def ring_forward(link: RingLink, num_ranks: int, num_real: int, block: Block, overlap: bool,
-                 local: Callable[[], None], step: Callable[[int, Block], None]) -> None:
+                 local: Callable[[], None], step: Callable[[int, Block], None],
+                 steps: int | None = None) -> None:
     """The forward ring of one rank around its kernels: ``local()`` while the own block
     (K, V: ``T`` rows) goes to the next slot, then for s = 1 .. N - 1 ``step(s, block)`` on
     the block of slot ``i - s`` while it travels on (not after the last step). N - 1
-    transfers; the counter holds own + T x (2 if s < N - 1 else 1) rows at step s."""
+    transfers; the counter holds own + T x (2 if s < N - 1 else 1) rows at step s.
+    ``steps``: run steps 1 .. steps only (``circulate``)."""
     t = len(block[0])
+    last = num_ranks - 1 if steps is None else steps
 
     def own() -> None:
         local()
         link.counter.hold(num_real)
 
-    for s, arrived in circulate(link, num_ranks, block, overlap, "forward", own):
-        link.counter.hold(num_real + t * (2 if s < num_ranks - 1 else 1))
+    for s, arrived in circulate(link, num_ranks, block, overlap, "forward", own, steps):
+        link.counter.hold(num_real + t * (2 if s < last else 1))
         step(s, arrived)
 
 
 def ring_backward(link: RingLink, num_ranks: int, block: Block, overlap: bool,
                   local: Callable[[], None],
-                  step: Callable[[int, Block], Block | None]) -> Pending | Landed | None:
+                  step: Callable[[int, Block], Block | None], steps: int | None = None,
+                  back: RingLink | None = None) -> Pending | Landed | None:
     """The backward ring: the blocks re-circulate as in :func:`ring_forward` (``local()``,
     then ``step(s, block)`` returning the block's dK/dV part, ``T`` rows, or None) and a
     dK/dV accumulator travels with each block, collecting every non-owner's part. The
     accumulator of the previous step is waited for after this step's kernels. 2 (N - 1)
     transfers. Returns the own block's accumulator in flight (``wait()`` gives the dK/dV
-    the peers computed for the own rows), or None for a ring of one."""
+    the peers computed for the own rows), or None for a ring of one. ``steps`` (below
+    N - 1): the blocks run steps 1 .. steps only, and the last accumulator goes straight
+    to its block's owner over ``back`` (slot ``i - steps``, receiving from ``i + steps``)."""
     carry: Pending | Landed | None = None
     k, v = block
-    for s, arrived in circulate(link, num_ranks, block, overlap, "backward", local):
+    last = num_ranks - 1 if steps is None else steps
+    for s, arrived in circulate(link, num_ranks, block, overlap, "backward", local, steps):
         part = step(s, arrived)
         # The previous step's accumulator was in flight during this step's kernels.
         acc = (k.new_zeros(k.shape), v.new_zeros(v.shape)) if carry is None else carry.wait()
         if part is not None:
             acc = (acc[0] + part[0].to(k.dtype), acc[1] + part[1].to(v.dtype))
-        carry = shift(link, acc, "backward")
+        carry = shift(back if s == last and back is not None else link, acc, "backward")
         if not overlap:
             carry = Landed(carry.wait())
     return carry
@@ -220,7 +246,7 @@ class RingAttention(torch.autograd.Function):
                 out2, lse2 = attention_forward(q.index_select(0, rows), block[0], block[1], meta, scale)
                 merge_parts(found[0], found[1], rows, out2, lse2)
 
-        ring_forward(state.link, state.num_ranks, r, (k, v), overlap, local, step)
+        ring_forward(state.link, state.num_ranks, r, (k, v), overlap, local, step, state.num_steps)
         out, lse = found
         merge_sink_(out.view(r, h, d), lse.view(r, h), sink)
         result = torch.cat((out.view(r, h, d).to(q.dtype), q.new_zeros((t - r, h, d))))
@@ -253,7 +279,8 @@ class RingAttention(torch.autograd.Function):
             found[0].index_add_(0, rows, dq2)
             return dk_b, dv_b
 
-        carry = ring_backward(state.link, state.num_ranks, (k, v), overlap, local, step)
+        carry = ring_backward(state.link, state.num_ranks, (k, v), overlap, local, step,
+                              state.num_steps, state.back)
         dq, dk_own, dv_own = found
         dk = torch.cat((dk_own.to(k.dtype), k.new_zeros((t - r, *k.shape[1:]))))
         dv = torch.cat((dv_own.to(v.dtype), v.new_zeros((t - r, *v.shape[1:]))))

@@ -56,7 +56,9 @@ def agree(
         parts = "; ".join(f"rank(s) {_ranks(r)} have plan_id {pid[:12]}" for pid, r in ids.items())
         lines.append(f"plan_id differs across ranks ({parts}); every rank must run the same plan "
                      "(fetch it on one rank and use worker_runtime.broadcast_plan)")
-    for key in sorted(extra or {}):
+    # Every rank's keys: a rank may send a key the others lack (a window only where set).
+    keys = {k for s in statuses for k in s} - {"rank", "plan_id", "problem"}
+    for key in sorted(keys):
         values: dict[str, list[int]] = {}
         for s in statuses:
             values.setdefault(repr(s.get(key)), []).append(s["rank"])

@@ -23,7 +23,9 @@ Contract (shape legend as ``kernels.py``: T query rows, K key rows, H heads, G K
 - ``forward(q_THD, k_KGD, v_KGD, meta, scale) -> (out [T, H, D], lse [H, T])``: segment b
   pairs queries ``cu_q[b]:cu_q[b+1]`` with keys ``cu_k[b]:cu_k[b+1]``; ``causal``: query t
   of a segment of Lq queries and Lk keys sees keys ``[0, Lk - Lq + t]`` (bottom-right),
-  else every key of its segment. ``out`` in the kernel's dtype (flash: q's; reference: the
+  else every key of its segment; ``window`` (optional, a causal call only; None: causal):
+  query t sees keys ``[Lk - Lq + t - window + 1, Lk - Lq + t]`` (flash-attn's
+  ``window_size = (window - 1, 0)``). ``out`` in the kernel's dtype (flash: q's; reference: the
   compute dtype), ``lse`` float32 (flash) or the compute dtype, natural log, flash's
   varlen layout ``[H, T]``.
 - ``backward(dout, q, k, v, out, lse, meta, scale) -> (dq, dk, dv)``: ``out`` and ``lse``
@@ -47,6 +49,7 @@ from worker_runtime.kernels import (
     attention_backward,
     attention_forward,
     build_masked_meta,
+    check_window,
 )
 from worker_runtime.layout import expand_ranges
 
@@ -62,6 +65,8 @@ class SegmentMeta(NamedTuple):
     causal: bool
     masked: VarlenMeta | None
     """The reference kernel's per-row mask data (None for flash-attn)."""
+    window: int | None = None
+    """Sliding window of a causal call (None: causal)."""
 
 
 class SegmentKernel(Protocol):
@@ -70,7 +75,7 @@ class SegmentKernel(Protocol):
     name: str
 
     def meta(self, cu_q: np.ndarray, cu_k: np.ndarray, causal: bool,
-             device: torch.device) -> SegmentMeta: ...
+             device: torch.device, window: int | None = None) -> SegmentMeta: ...
 
     def forward(self, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
                 meta: SegmentMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -81,7 +86,12 @@ class SegmentKernel(Protocol):
 
 
 def segment_meta(cu_q: np.ndarray, cu_k: np.ndarray, causal: bool, device: torch.device,
-                  masked: VarlenMeta | None) -> SegmentMeta:
+                  masked: VarlenMeta | None, window: int | None = None) -> SegmentMeta:
+    """A call's segments on ``device``; ValueError for bad boundaries, a window below 1 or
+    a window on a full (non-causal) call."""
+    window = check_window(window)
+    if window is not None and not causal:
+        raise ValueError("window applies to a causal segment call only (causal=True)")
     cu_q, cu_k = np.asarray(cu_q, np.int64), np.asarray(cu_k, np.int64)
     if len(cu_q) != len(cu_k) or len(cu_q) < 2 or (np.diff(cu_q) < 0).any() or (np.diff(cu_k) < 0).any():
         raise ValueError("cu_seqlens_q/k must be non-decreasing, of equal length >= 2")
@@ -90,7 +100,13 @@ def segment_meta(cu_q: np.ndarray, cu_k: np.ndarray, causal: bool, device: torch
         return torch.from_numpy(x.astype(np.int32)).to(device)
 
     return SegmentMeta(tensor(cu_q), tensor(cu_k), int(np.diff(cu_q).max()),
-                       int(np.diff(cu_k).max()), causal, masked)
+                       int(np.diff(cu_k).max()), causal, masked, window)
+
+
+def flash_window(meta: SegmentMeta) -> tuple[int, int]:
+    """FlashAttention's ``(window_size_left, window_size_right)`` of a call: ``(-1, -1)``
+    without a window, ``(window - 1, 0)`` with one."""
+    return (-1, -1) if meta.window is None else (meta.window - 1, 0)
 
 
 class ReferenceSegments:
@@ -99,9 +115,12 @@ class ReferenceSegments:
     name = "reference"
 
     def meta(self, cu_q: np.ndarray, cu_k: np.ndarray, causal: bool,
-             device: torch.device) -> SegmentMeta:
+             device: torch.device, window: int | None = None) -> SegmentMeta:
         """O(T + K) numpy: a causal query sits at key position ``Lk - Lq + t`` of its
         segment, a full one at ``Lk - 1`` (sees the whole segment)."""
+        window = check_window(window)
+        if window is not None and not causal:
+            raise ValueError("window applies to a causal segment call only (causal=True)")
         lq: np.ndarray = np.diff(np.asarray(cu_q, np.int64))
         lk: np.ndarray = np.diff(np.asarray(cu_k, np.int64))
         segs = np.arange(len(lq), dtype=np.int64)
@@ -110,8 +129,9 @@ class ReferenceSegments:
         else:
             q_pos = np.repeat(lk - 1, lq)
         masked = build_masked_meta(np.repeat(segs, lq), q_pos, np.repeat(segs, lk),
-                                   expand_ranges(np.zeros(len(lk), np.int64), lk), device)
-        return segment_meta(cu_q, cu_k, causal, device, masked)
+                                   expand_ranges(np.zeros(len(lk), np.int64), lk), device,
+                                   window=window)
+        return segment_meta(cu_q, cu_k, causal, device, masked, window)
 
     def forward(self, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
                 meta: SegmentMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,8 +209,8 @@ class FlashSegments:
         self.forward_fn, self.backward_fn = forward_fn, backward_fn
 
     def meta(self, cu_q: np.ndarray, cu_k: np.ndarray, causal: bool,
-             device: torch.device) -> SegmentMeta:
-        return segment_meta(cu_q, cu_k, causal, device, None)
+             device: torch.device, window: int | None = None) -> SegmentMeta:
+        return segment_meta(cu_q, cu_k, causal, device, None, window)
 
     def forward(self, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
                 meta: SegmentMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,8 +218,9 @@ class FlashSegments:
             q=q_THD, k=k_KGD, v=v_KGD, cu_seqlens_q=meta.cu_seqlens_q,
             cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_seqlen_q,
             max_seqlen_k=meta.max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
-            causal=meta.causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-            alibi_slopes=None, return_softmax=False)
+            causal=meta.causal, window_size_left=flash_window(meta)[0],
+            window_size_right=flash_window(meta)[1], softcap=0.0, alibi_slopes=None,
+            return_softmax=False)
         return result[0], result[1]
 
     def backward(self, dout_THD: torch.Tensor, q_THD: torch.Tensor, k_KGD: torch.Tensor,
@@ -211,8 +232,8 @@ class FlashSegments:
             softmax_lse=lse_HT.contiguous(), dq=dq, dk=dk, dv=dv,
             cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, dropout_p=0.0,
-            softmax_scale=scale, causal=meta.causal, window_size_left=-1, window_size_right=-1,
-            softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
+            softmax_scale=scale, causal=meta.causal, window_size_left=flash_window(meta)[0],
+            window_size_right=flash_window(meta)[1], softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
         return dq, dk, dv
 
 
@@ -242,13 +263,15 @@ relative to the reference's largest magnitude (at least 1)."""
 
 
 PROBE_CALLS = (
-    (np.array([0, 3, 5]), np.array([0, 4, 9]), True),
-    (np.array([0, 3, 5]), np.array([0, 4, 9]), False),
-    (np.array([0, 2, 2, 5, 6]), np.array([0, 3, 7, 7, 9]), False),
+    (np.array([0, 3, 5]), np.array([0, 4, 9]), True, None),
+    (np.array([0, 3, 5]), np.array([0, 4, 9]), False, None),
+    (np.array([0, 2, 2, 5, 6]), np.array([0, 3, 7, 7, 9]), False, None),
+    (np.array([0, 3, 5]), np.array([0, 4, 9]), True, 2),
 )
-"""(cu_q, cu_k, causal) of the probe's calls: a causal and a full call, then a full call
-with a zero-query segment (keys 3..6) and a hollow segment (queries 2..4, no keys), as the
-segment ring runs them."""
+"""(cu_q, cu_k, causal, window) of the probe's calls: a causal and a full call, then a full
+call with a zero-query segment (keys 3..6) and a hollow segment (queries 2..4, no keys),
+as the segment ring runs them, then a causal call under a window of 2 (a sliding-window
+layer's gathered call)."""
 
 
 def probe(kernel: SegmentKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
@@ -260,14 +283,18 @@ def probe(kernel: SegmentKernel, device: torch.device, dtype: torch.dtype, head_
     gen = torch.Generator(device="cpu").manual_seed(0)
     scale = head_dim**-0.5
     ref = ReferenceSegments()
-    for cu_q, cu_k, causal in PROBE_CALLS:
+    for cu_q, cu_k, causal, window in PROBE_CALLS:
         nq, nk = int(cu_q[-1]), int(cu_k[-1])
         seen = torch.from_numpy(np.repeat(np.diff(cu_k) > 0, np.diff(cu_q))).to(device)
         q, k, v, do = (torch.randn(n, h, head_dim, generator=gen).to(device=device, dtype=dtype)
                        for n, h in ((nq, 2), (nk, 1), (nk, 1), (nq, 2)))
-        where = f"causal={causal}, cu_q={cu_q.tolist()}, cu_k={cu_k.tolist()}"
+        where = f"causal={causal}, cu_q={cu_q.tolist()}, cu_k={cu_k.tolist()}, window={window}"
         try:
-            meta, ref_meta = kernel.meta(cu_q, cu_k, causal, device), ref.meta(cu_q, cu_k, causal, device)
+            if window is None:
+                meta, ref_meta = kernel.meta(cu_q, cu_k, causal, device), ref.meta(cu_q, cu_k, causal, device)
+            else:
+                meta = kernel.meta(cu_q, cu_k, causal, device, window=window)
+                ref_meta = ref.meta(cu_q, cu_k, causal, device, window=window)
             out, lse = kernel.forward(q, k, v, meta, scale)
             want_out, want_lse = ref.forward(q.float(), k.float(), v.float(), ref_meta, scale)
             if out.shape != q.shape or lse.shape != (2, nq) or lse.dtype != torch.float32:
