@@ -21,10 +21,9 @@ class Tuning:
     """Deterministic seconds of search per second of ``time_limit_s``: the search's whole
     budget is ``dtime_per_s * time_limit_s`` deterministic seconds (CP-SAT's, plus
     ``build_charge``), the same on every machine, so the same request gives the same
-    plan. On a 2-core host this model runs 0.25 deterministic seconds per wall second
-    quiet, 0.08 at load 9 and about 0.04 at load 13 with two CPU hogs beside it; 0.04 per
-    second of the limit let the wall-clock deadline cut 15 of 100 small solves at load 7
-    to 13, 0.03 leaves a third of the limit as margin at the 0.04 rate
+    plan. On a 2-core host this model runs about 0.25 deterministic seconds per wall
+    second quiet, 0.08 at load 9 and 0.04 at load 13 with two CPU hogs beside it: at that
+    last rate this budget is spent in three quarters of the limit
     (``python -m bench.ilp_repro``, bench/results/ilp_repro.md)."""
     build_charge: float = 5e-5
     """Deterministic seconds charged per placement boolean of every model the search
