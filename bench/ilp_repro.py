@@ -113,11 +113,12 @@ def main() -> None:
          "beside them.")
     emit("")
     emit("| request | docs | tokens | N | plan_ids | cut by deadline | statuses | "
-         "max wall - limit s |")
-    emit("|---|---|---|---|---|---|---|---|")
-    total_ids = 0
+         "max wall - limit s | load at start |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    total_ids = cut = 0
     worst = -1e9
     for i, request in enumerate(requests(args.requests, args.limit), 1):
+        load = os.getloadavg()[0]
         outcomes = [run(request, busy=k >= args.solves - args.solves // 2, ctx=ctx)
                     for k in range(args.solves)]
         ids = {o.plan_id for o in outcomes}
@@ -125,12 +126,14 @@ def main() -> None:
         over = max(o.wall_s for o in outcomes) - args.limit
         worst = max(worst, over)
         statuses = ",".join(sorted({o.status for o in outcomes}))
+        cut += sum(not o.deterministic for o in outcomes)
         emit(f"| {i} | {len(request.doc_lengths)} | {sum(request.doc_lengths)} | "
              f"{request.cp_size} | {len(ids)} | {sum(not o.deterministic for o in outcomes)} | "
-             f"{statuses} | {over:+.2f} |")
+             f"{statuses} | {over:+.2f} | {load:.1f} |")
     emit("")
     emit(f"{total_ids} distinct plan_ids over {args.requests} requests (target "
-         f"{args.requests}); largest wall time over the limit {worst:+.2f} s (wall time of "
+         f"{args.requests}); {cut} of {args.requests * args.solves} solves cut by the "
+         f"deadline; largest wall time over the limit {worst:+.2f} s (wall time of "
          "the solve call in its process, the plan's build included); load average at end "
          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}.")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -98,6 +98,19 @@ def test_same_request_gives_the_same_plan_byte_for_byte(monkeypatch):
     assert first.to_json() == second.to_json() == busy.to_json()
 
 
+def test_a_small_request_is_proven_optimal():
+    # 4 docs, 7K tokens, N = 4: after the bound the gap is small, and the least placement
+    # below the incumbent (search.close) proves it optimal within the budget of a 40 s
+    # limit (1.2 deterministic seconds: a few wall seconds, the deadline far beyond).
+    request = PlanRequest(doc_lengths=(3000, 2000, 1200, 800), cp_size=4, strategy="ilp",
+                          options={"time_limit_s": 40.0})
+    plan = solve(request)
+    assert plan.info["status"] == "OPTIMAL" and plan.info["deterministic"], plan.info
+    assert plan.info["objective_value"] == plan.info["best_bound"] == 1634
+    assert plan.metrics.imbalance <= request.imbalance_target
+    validate_plan(plan)
+
+
 def spin(stop: threading.Event) -> None:
     """A CPU hog (Python: it also holds the GIL most of the time)."""
     x = 0
@@ -270,8 +283,8 @@ def test_every_cpsat_call_ends_by_the_requests_time_limit(monkeypatch):
     ends: list[float] = []
     real = cpsat.solver_for
 
-    def spy(limit_s, cp):
-        solver = real(limit_s, cp)
+    def spy(limit_s, cp, **kwargs):
+        solver = real(limit_s, cp, **kwargs)
         ends.append(time.monotonic() + solver.parameters.max_time_in_seconds)
         return solver
 

@@ -53,6 +53,32 @@ def ask(state: Search, v: int, build: Callable[[list[int]], BlockModel],
     return state, False
 
 
+def close(state: Search, build: Callable[[list[int]], BlockModel],
+          value_of: Callable[[list[int]], int], limit: float, cp: Cp) -> Search:
+    """The least critical-path KV below the incumbent's, within ``limit`` deterministic
+    seconds: the full model with ``bound <= comm_max < value``, minimised by CP-SAT's
+    sequential search with the fullest linearisation (``cpsat.run``'s ``sequential``).
+
+    Why: where the proven bound is already close to the incumbent (small instances),
+    this is the cheapest proof of optimality (4 docs of 7K tokens at N = 4: 0.3 to 0.6
+    deterministic seconds, where the default search needs 2). Unhinted: the incumbent
+    breaks ``comm_max < value``, and a sequential search has no use for an infeasible
+    hint. INFEASIBLE proves the incumbent optimal; a placement found replaces it.
+    """
+    bm = build(state.ranks)
+    bm.model.ClearHints()
+    bm.model.Add(bm.comm_max <= state.value - 1)
+    bm.model.Add(bm.comm_max >= state.bound)
+    run = cpsat.run(bm, bm.comm_max, limit, cp, sequential=True)
+    state = state._replace(spent=state.spent + run.dtime,
+                           deterministic=state.deterministic and run.deterministic)
+    if run.status == "INFEASIBLE":
+        return state._replace(bound=state.value)
+    if run.ranks is not None and value_of(run.ranks) < state.value:
+        state = state._replace(ranks=run.ranks, value=value_of(run.ranks), found=True)
+    return state._replace(bound=max(state.bound, min(run.bound, state.value)))
+
+
 def bisect_bound(state: Search, build: Callable[[list[int]], BlockModel],
                  value_of: Callable[[list[int]], int], budget: float, limit: float,
                  cp: Cp) -> Search:
@@ -184,6 +210,10 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
     4. Spend the rest on ``bisect_bound`` questions, which raise the bound where the
        optimisation cannot.
 
+    Between 2 and 3: where the gap is at most ``close_gap``, the least placement below
+    the incumbent (``close``) with the whole rest of the limit: INFEASIBLE proves the
+    incumbent optimal, an OPTIMAL answer is the optimum; either ends the search.
+
     A step due after the wall-clock deadline (``cp.deadline``) is skipped (the models cost
     Python time to build even where CP-SAT would stop at once) and the result says it is
     not deterministic.
@@ -222,6 +252,11 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
         state = progress("fill", ask_fill(
             state, subs, max(t.fill_share * limit, t.fill_until * limit - state.spent), value_of,
             t.fill_gap))
+    if state.bound < state.value and not late() and limit - state.spent > 1e-3 \
+            and (state.value - state.bound) * t.close_gap.denominator \
+            <= t.close_gap.numerator * state.value:
+        state = progress("below the incumbent", close(
+            state, build, value_of, limit - state.spent, cp))
     if state.bound < state.value and not late():
         state = progress("rank groups", subs.group_search(
             state, t.search_share * limit, t.group_step_share * limit))

@@ -17,13 +17,13 @@ from fractions import Fraction
 class Tuning:
     """The ILP search's budget split and guards (``TUNING`` is the one the strategy uses)."""
 
-    dtime_per_s: float = 0.04
+    dtime_per_s: float = 0.03
     """Deterministic seconds of search per second of ``time_limit_s``: the search's whole
     budget is ``dtime_per_s * time_limit_s`` deterministic seconds (CP-SAT's, plus
     ``build_charge``), the same on every machine, so the same request gives the same
-    plan. CP-SAT does 0.07 (a 2-core host at load 7) to 0.25 (the same host quiet)
-    deterministic seconds per wall second with this model, so a small request spends its
-    budget in a third to a half of the limit on that loaded host
+    plan. On a 2-core host this model runs about 0.25 deterministic seconds per wall
+    second quiet, 0.08 at load 9 and 0.04 at load 13 with two CPU hogs beside it: at that
+    last rate this budget is spent in three quarters of the limit
     (``python -m bench.ilp_repro``, bench/results/ilp_repro.md)."""
     build_charge: float = 5e-5
     """Deterministic seconds charged per placement boolean of every model the search
@@ -71,6 +71,11 @@ class Tuning:
     search_share: float = 0.8
     """The rank-group steps resume after the bound until this share of the limit is spent;
     the full model's optimisation (CP-SAT's LNS) gets the rest but ``bisect_share``."""
+    close_gap: Fraction = Fraction(1, 10)
+    """Where the bound is within this relative gap of the incumbent after the bound's
+    step, the search asks whether any placement is below the incumbent before anything
+    else (:func:`.search.solve_comm`): on small instances the cheapest proof of
+    optimality."""
     bisect_share: float = 0.1
     """The share of the limit left to the closing yes/no questions, which raise the bound
     where the optimisation cannot."""
