@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from importlib import metadata
 from typing import Any
 
@@ -111,6 +111,24 @@ H200_COPY_GBPS = 2150.0
 GPU_OP_US = 5.0
 """One small eager CUDA op: ~5 us launch latency (CUDA launch overhead, PyTorch dispatch)."""
 
+# FlashAttention-2 on H100 SXM5: ~335 TFLOP/s forward, ~300 TFLOP/s backward at hdim 128
+# (FA3 paper's FA2 baselines, Figs. 5-6); fwd tiles 128x64 for causal hdim 128 on sm80+
+# (flash_fwd_launch_template.h, run_mha_fwd_hdim128).
+H100_FA2 = KernelProfile(
+    name="h100-fa2",
+    fwd_tflops=335.0,
+    bwd_tflops=300.0,
+    tile_q=128,
+    tile_k=64,
+    call_overhead_us=30.0,
+    per_seq_us=0.6,
+    linear_tflops=650.0,
+    copy_gbps=H100_COPY_GBPS,
+    op_overhead_us=GPU_OP_US,
+    source="FA3 paper arXiv:2407.08608 FA2 baselines; FA2 launch templates",
+)
+"""flash-attn's FA2 on H100 (``h100-fa2``); PyTorch's vendored FA2 shares its rates."""
+
 KERNEL_PROFILES: dict[str, KernelProfile] = {
     # FlashAttention-3 on H100 SXM5, bf16, head_dim 128: ~650 TFLOP/s forward and ~450 TFLOP/s
     # backward at long sequence lengths (Shah et al., "FlashAttention-3", arXiv:2407.08608,
@@ -129,56 +147,23 @@ KERNEL_PROFILES: dict[str, KernelProfile] = {
         op_overhead_us=GPU_OP_US,
         source="FA3 paper arXiv:2407.08608 Figs. 5-6; H100 SXM datasheet",
     ),
-    # FlashAttention-2 on H100 SXM5: ~335 TFLOP/s forward, ~300 TFLOP/s backward at hdim 128
-    # (FA3 paper's FA2 baselines, Figs. 5-6); fwd tiles 128x64 for causal hdim 128 on sm80+
-    # (flash_fwd_launch_template.h, run_mha_fwd_hdim128).
-    "h100-fa2": KernelProfile(
-        name="h100-fa2",
-        fwd_tflops=335.0,
-        bwd_tflops=300.0,
-        tile_q=128,
-        tile_k=64,
-        call_overhead_us=30.0,
-        per_seq_us=0.6,
-        linear_tflops=650.0,
-        copy_gbps=H100_COPY_GBPS,
-        op_overhead_us=GPU_OP_US,
-        source="FA3 paper arXiv:2407.08608 FA2 baselines; FA2 launch templates",
-    ),
+    "h100-fa2": H100_FA2,  # flash-attn's FA2, the rates above
     # PyTorch's own FlashAttention-2 (torch.ops.aten._flash_attention_forward/_backward, the
     # runtime's default CUDA kernel, worker_runtime/aten_flash.py) on H100 SXM5. PyTorch
     # vendors flash-attn's FA2 kernels (torch.nn.attention._get_flash_version(): "2.5.7",
     # aten/src/ATen/native/transformers/cuda/flash_attn), so the FA2 figures above apply:
     # the coefficients are h100-fa2's, from the cited benchmarks, not measured here; a GPU
     # fit (bench/gpu_check.py, bench/model_check.py) replaces them.
-    "h100-aten-fa2": KernelProfile(
-        name="h100-aten-fa2",
-        fwd_tflops=335.0,
-        bwd_tflops=300.0,
-        tile_q=128,
-        tile_k=64,
-        call_overhead_us=30.0,
-        per_seq_us=0.6,
-        linear_tflops=650.0,
-        copy_gbps=H100_COPY_GBPS,
-        op_overhead_us=GPU_OP_US,
+    "h100-aten-fa2": replace(
+        H100_FA2, name="h100-aten-fa2",
         source="PyTorch's vendored FA2 (flash-attn 2.5.7 kernels); rates of the FA3 paper "
                "arXiv:2407.08608 FA2 baselines (cited, not measured here); H100 SXM datasheet",
     ),
     # The same kernels on H200 SXM: the H100's compute (132 SMs, 989 dense bf16 TFLOP/s,
     # NVIDIA H200 datasheet), so the compute-bound attention and GEMM rates are H100's;
     # HBM3e 4.8 TB/s raises the copy rate (H200_COPY_GBPS). Cited, not measured here.
-    "h200-aten-fa2": KernelProfile(
-        name="h200-aten-fa2",
-        fwd_tflops=335.0,
-        bwd_tflops=300.0,
-        tile_q=128,
-        tile_k=64,
-        call_overhead_us=30.0,
-        per_seq_us=0.6,
-        linear_tflops=650.0,
-        copy_gbps=H200_COPY_GBPS,
-        op_overhead_us=GPU_OP_US,
+    "h200-aten-fa2": replace(
+        H100_FA2, name="h200-aten-fa2", copy_gbps=H200_COPY_GBPS,
         source="PyTorch's vendored FA2 (flash-attn 2.5.7 kernels); rates of the FA3 paper "
                "arXiv:2407.08608 FA2 baselines (cited, not measured here); H200 SXM datasheet",
     ),
