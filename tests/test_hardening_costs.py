@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -398,3 +399,34 @@ def test_every_started_solve_is_observed_whatever_its_outcome():
                         ("gone", "abandoned")]
         await pool.close(loop.time())
     asyncio.run(main())
+
+
+def test_a_ring_too_large_to_price_is_refused_before_any_solve(http):
+    # 65,536 docs of 30 tokens at N = 16: a plan within the byte limit whose ring the model
+    # cannot price (the solve took seconds, then answered this refusal).
+    before = misses(http)
+    body = {"doc_lengths": [30] * 65536, "cp_size": 16, "strategy": "zigzag"}
+    assert "MAX_RING_PAIRS" in refused(http.post("/v1/plan", json=body), "comm_mode")["detail"]
+    assert misses(http) == before, "no solve may start for a refused request"
+
+
+def test_the_ring_floor_is_at_most_the_real_pairs():
+    from planner_service.core.masked_work import ring_pairs
+    from planner_service.core.request import PlanRequest
+    from planner_service.service.cost_gate import ring_pairs_floor
+    from planner_service.solvers.registry import solve
+
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n = int(rng.integers(1, 40))
+        docs = tuple(int(x) for x in rng.integers(1, 4 * n + 3, size=int(rng.integers(1, 30))))
+        for strategy in ("per_doc", "zigzag"):
+            plan = solve(PlanRequest(doc_lengths=docs, cp_size=n, strategy=strategy,
+                                     comm_mode="alltoallv"))
+            shards = [(r, s.doc) for r, held in enumerate(plan.groups[0].shards) for s in held
+                      if s.end > s.start]
+            rank, doc = (np.array(x, dtype=np.int64) for x in zip(*shards, strict=True))
+            floor = ring_pairs_floor(strategy, docs, n)
+            assert floor <= ring_pairs(rank, doc), (strategy, docs, n)
+            if max(docs) <= n:  # one token per rank: the floor is exact
+                assert floor == ring_pairs(rank, doc)

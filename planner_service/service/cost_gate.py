@@ -16,6 +16,12 @@ O(documents) time, before the executor admits it:
   solved. The other strategies make few shards per doc (whole docs, and cuts only of
   the docs no rank can hold); their plans are checked against the same limit after the
   solve (worker_tasks.solve_in_worker), which the work bound PLANNER_MAX_SHARDS keeps short.
+- **ring size**: a ``p2p_ring`` plan is priced only up to ``masked_work.MAX_RING_PAIRS``
+  (shard, other holder of its doc) pairs. ``per_doc`` and ``zigzag`` place the tokens of a
+  doc of length L on exactly min(L, N) ranks (``solvers.common.zigzag_doc_shards``), each
+  holding at least one shard of it, so their pairs are at least the sum over docs of
+  m (m - 1), m = min(L, N): a request whose floor is above the limit is refused (422,
+  ``comm_mode``) as the solve would be, before it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from planner_service.core.errors import FieldError
+from planner_service.core.masked_work import MAX_RING_PAIRS
 from planner_service.service.lanes import FAST, SLOW
 
 LANES = (FAST, SLOW)
@@ -95,3 +102,27 @@ def check_plan_bytes(cost: Cost, max_plan_bytes: int, field: str = "cp_size") ->
                          f"JSON, above the limit {max_plan_bytes} (PLANNER_MAX_PLAN_BYTES); "
                          "use fewer ranks or documents, or a strategy that splits fewer "
                          "documents")
+
+
+def ring_pairs_floor(strategy: str, doc_lengths: Sequence[int], ranks: int) -> int:
+    """A lower bound on the ring pairs of ``strategy``'s plan (module docstring): the
+    sum of m (m - 1), m = min(L, N), for ``per_doc`` and ``zigzag``; 0 for the others.
+    O(documents)."""
+    if strategy not in ("per_doc", "zigzag"):
+        return 0
+    return sum(min(length, ranks) * (min(length, ranks) - 1) for length in doc_lengths)
+
+
+def check_ring_floor(strategy: str, doc_lengths: Sequence[int], ranks: int,
+                     comm_mode: str) -> None:
+    """Refuse a ``p2p_ring`` request whose plan is surely too large to price (the refusal
+    its solve would end in, before it); raises FieldError naming ``comm_mode``."""
+    if comm_mode != "p2p_ring":
+        return
+    floor = ring_pairs_floor(strategy, doc_lengths, ranks)
+    if floor > MAX_RING_PAIRS:
+        raise FieldError(
+            "comm_mode",
+            f"comm_mode: the ring of a p2p_ring plan is modelled for at most {MAX_RING_PAIRS} "
+            f"(shard, other holder of its doc) pairs per group (MAX_RING_PAIRS), this "
+            f"{strategy} plan would have at least {floor}; use fewer ranks or another comm_mode")

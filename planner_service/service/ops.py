@@ -20,6 +20,7 @@ from planner_service.service.cost_gate import (
     SLOW,
     Cost,
     check_plan_bytes,
+    check_ring_floor,
     plan_bytes_bound,
     request_cost,
 )
@@ -135,17 +136,21 @@ class PlannerService:
             checked_strategy(request)
             self.check_cost(request)
         except FieldError as exc:
-            if "PLANNER_MAX_PLAN_BYTES" in str(exc) or "PLANNER_MAX_SHARDS" in str(exc):
+            if any(limit in str(exc) for limit in ("PLANNER_MAX_PLAN_BYTES", "PLANNER_MAX_SHARDS",
+                                                   "MAX_RING_PAIRS")):
                 self.metrics.rejected.labels("cost").inc()
             raise
         return request, request_key(request)
 
     def check_cost(self, request: PlanRequest) -> None:
-        """Refuse a request whose plan would exceed PLANNER_MAX_PLAN_BYTES, before any
-        solve (cost_gate.py); raises FieldError (``cp_size``)."""
+        """Refuse a request whose plan would exceed PLANNER_MAX_PLAN_BYTES or the ring
+        model's MAX_RING_PAIRS, before any solve (cost_gate.py); raises FieldError
+        (``cp_size``, ``comm_mode``)."""
         cost = request_cost(request.strategy, request.doc_lengths, request.cp_size,
                             self.settings.fast_lane_max_work)
         check_plan_bytes(cost, self.settings.max_plan_bytes)
+        comm_mode = request.comm_mode or get_strategy(request.strategy).comm_mode
+        check_ring_floor(request.strategy, request.doc_lengths, request.cp_size, comm_mode)
 
     def _with_profile(self, request: PlanRequest) -> PlanRequest:
         """``options.profile`` resolved to a built-in name or a profile by value."""
