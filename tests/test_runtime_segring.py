@@ -36,8 +36,8 @@ from timing import scaled
 
 from planner_service.core.build import GroupLayout, Layout, build_plan
 from planner_service.core.plan import Plan, Shard
-from planner_service.core.segment_ring_work import segment_ring_calls
 from planner_service.core.request import PlanRequest
+from planner_service.core.segment_ring_work import segment_ring_calls
 from planner_service.core.validate import validate_plan
 from planner_service.solvers.registry import solve
 from worker_runtime import (
