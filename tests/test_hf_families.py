@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 import torch
+from hf_reference import KeepFloat64, lm_loss
 from timing import scaled
-from torch.overrides import TorchFunctionMode
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -63,25 +63,6 @@ TINY = {
     "attention_probs_dropout_prob": 0.0, "router_jitter_noise": 0.0, "use_cache": False,
     "experts_implementation": "eager",  # grouped matmuls take no float64
 }
-
-
-class KeepFloat64(TorchFunctionMode):
-    """Casts of float64 tensors to float32 (``.float()``, ``.to(torch.float32)``, a
-    ``dtype=torch.float32`` keyword, as norms, softmaxes and losses upcast half precision)
-    stay float64, so every family computes in float64 on both sides and any difference is
-    the runtime's, not float32 rounding of slightly different sums."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = dict(kwargs or {})
-        double = any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args)
-        if double:
-            if func is torch.Tensor.float:
-                return args[0]
-            if kwargs.get("dtype") is torch.float32:
-                kwargs["dtype"] = torch.float64
-            if func in (torch.Tensor.to, torch.Tensor.type):
-                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-        return func(*args, **kwargs)
 
 
 VERBOSE = os.environ.get("CP_FAMILIES_VERBOSE") == "1"
@@ -173,13 +154,6 @@ def reference(model: Any, rank: int, ids: torch.Tensor) -> tuple[float, dict[str
         loss.backward()
         loss_sum += loss.item()
     return loss_sum, grads(model)
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, total: int) -> torch.Tensor:
-    """Summed next-token cross-entropy over ``total`` labels, in float64 (transformers' own
-    loss upcasts logits to float32 only)."""
-    return torch.nn.functional.cross_entropy(logits[0].to(torch.float64), labels, ignore_index=-100,
-                                             reduction="sum") / total
 
 
 def _ours(exc: BaseException) -> bool:

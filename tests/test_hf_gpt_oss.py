@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_hf_families import KeepFloat64, lm_loss
+from hf_reference import KeepFloat64, lm_loss, per_document_reference
 from timing import scaled
 
 pytestmark = [
@@ -52,22 +52,7 @@ def input_ids() -> torch.Tensor:
 
 
 def reference() -> tuple[float, dict[str, torch.Tensor]]:
-    from worker_runtime.hf import next_token_labels
-
-    model = tiny_gpt_oss()
-    model.set_attn_implementation("eager")
-    ids = input_ids()
-    labels = next_token_labels(ids, DOC_LENGTHS)
-    total = int((labels != -100).sum())
-    starts = [0, *torch.cumsum(torch.tensor(DOC_LENGTHS), 0).tolist()]
-    loss_sum = 0.0
-    with KeepFloat64():
-        for lo, hi in zip(starts[:-1], starts[1:], strict=True):
-            logits = model(input_ids=ids[lo:hi][None], position_ids=torch.arange(hi - lo)[None]).logits
-            loss = lm_loss(logits, labels[lo:hi], total)
-            loss.backward()
-            loss_sum += loss.item()
-    return loss_sum, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return per_document_reference(tiny_gpt_oss(), input_ids(), DOC_LENGTHS)
 
 
 def worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:

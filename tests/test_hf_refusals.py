@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_hf_families import KeepFloat64
+from hf_reference import KeepFloat64
 
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Plan
