@@ -32,24 +32,32 @@ DRIFT_SWAPS = 64
 """Most odd-even passes of neighbour swaps after the reordering."""
 
 
+def docs_by_level(phase: np.ndarray, room: np.ndarray, level: float) -> np.ndarray:
+    """Per rank, its docs at times <= ``level`` when its j-th doc comes at time phase + j
+    and it has room for ``room`` docs. O(N)."""
+    return np.clip(np.floor(level - phase) + 1, 0, room).astype(np.int64)
+
+
+def least_whole_level(phase: np.ndarray, room: np.ndarray, count: int) -> float:
+    """The least whole level with ``count`` docs at times at or below it
+    (``docs_by_level``), by doubling then bisection. O(N log(count + phase spread))."""
+    low, high = -1.0, float(max(1, count // len(phase)))
+    while docs_by_level(phase, room, high).sum() < count:
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        if docs_by_level(phase, room, mid).sum() < count:
+            low = mid
+        else:
+            high = mid
+    return high
+
+
 def _level_counts(keys: np.ndarray, step: float, fits: np.ndarray, count: int) -> np.ndarray:
     """Per rank, its docs among the ``count`` of least key at one density (each next doc
     ``step`` above the last): the least whole level of ``count`` docs. O(N log(range))."""
     phase = (keys - keys.min()) / step
-
-    def docs_by(level: float) -> np.ndarray:
-        return np.clip(np.floor(level - phase) + 1, 0, fits).astype(np.int64)
-
-    low, high = -1.0, float(max(1, count // len(keys)))
-    while docs_by(high).sum() < count:
-        low, high = high, 2 * high
-    while high - low > 1:
-        mid = (low + high) // 2
-        if docs_by(mid).sum() < count:
-            low = mid
-        else:
-            high = mid
-    return docs_by(high)
+    return docs_by_level(phase, fits, least_whole_level(phase, fits, count))
 
 
 def drift_ranks(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, length: int,

@@ -56,6 +56,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner_service.core.plan import Shard
+from planner_service.solvers.flashcp.drift import docs_by_level, least_whole_level
 from planner_service.solvers.flashcp.ranks import Ranks, new_shard
 
 EXACT = 1 << 53
@@ -344,17 +345,9 @@ def predicted(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, length: in
     phase = (keys - keys.min()) / step
 
     def docs_by(level: float) -> np.ndarray:
-        return np.clip(np.floor(level - phase) + 1, 0, room).astype(np.int64)
+        return docs_by_level(phase, room, level)
 
-    low, high = -1.0, float(max(1, count // len(active)))
-    while docs_by(high).sum() < count:
-        low, high = high, 2 * high
-    while high - low > 1:
-        mid = (low + high) // 2
-        if docs_by(mid).sum() < count:
-            low = mid
-        else:
-            high = mid
+    high = least_whole_level(phase, room, count)
     below = docs_by(high - 1)
     band = np.flatnonzero(docs_by(high) > below)
     times = phase[band] + below[band]
