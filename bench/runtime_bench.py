@@ -41,7 +41,7 @@ from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
 from planner_service.data import CONTEXT_128K, make_source, pack_sequences
 from planner_service.solvers.registry import solve
-from worker_runtime import COMM_MODES, ContextParallelAttention, build_comm_map, build_layout
+from worker_runtime import GATHER_MODES, ContextParallelAttention, build_comm_map, build_layout
 from worker_runtime.overlap import local_share
 from worker_runtime.profiler import attention_records, comm_record, timings_document, write_timings
 from worker_runtime.testing import run_distributed
@@ -73,7 +73,7 @@ def prep_table(num_seq: int, cp: int, repeats: int) -> list[str]:
         plans = {s: [solve(PlanRequest(doc_lengths=tuple(seq), cp_size=cp, strategy=s, context_length=CONTEXT_128K))
                      for seq in sequences(ds, num_seq)] for s in PREP_STRATEGIES}
         for strategy, ps in plans.items():
-            for mode in COMM_MODES:
+            for mode in GATHER_MODES:
                 t = [prep_ms(p, r, mode, repeats) for p in ps for r in range(cp)]
                 lines.append(f"| {ds} | {strategy} | {mode} | {statistics.median(t):.2f} | "
                              f"{np.percentile(t, 95):.2f} | {max(t):.2f} |")
@@ -97,7 +97,7 @@ def bytes_table(num_seq: int, cp: int) -> list[str]:
         for strategy in ("llama3", "per_doc", "flashcp"):
             plans = [solve(PlanRequest(doc_lengths=tuple(s), cp_size=cp, strategy=strategy,
                                        context_length=CONTEXT_128K, model=LLAMA3_8B)) for s in seqs]
-            mean = {m: statistics.mean(critical_bytes(p, m) for p in plans) / MIB for m in COMM_MODES}
+            mean = {m: statistics.mean(critical_bytes(p, m) for p in plans) / MIB for m in GATHER_MODES}
             lines.append(
                 f"| {ds} | {strategy} | {mean['full']:.1f} | {mean['compact_allgather']:.1f} | "
                 f"{mean['alltoallv']:.1f} | {1 - mean['compact_allgather'] / mean['full']:.1%} | "
@@ -113,7 +113,7 @@ def profile_comm_worker(rank: int, world_size: int, plan_jsons: list[str]) -> li
     out = []
     for text in plan_jsons:
         plan = Plan.from_json(text)
-        for mode in COMM_MODES:
+        for mode in GATHER_MODES:
             rec = comm_record(ContextParallelAttention(plan, comm_mode=mode), PROFILE_MODEL, repeats=3)
             if rec is not None:
                 out.append(rec.to_dict())

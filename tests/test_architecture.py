@@ -37,9 +37,11 @@ CONTRACT = frozenset({
     "planner_service.core.cost",
     "planner_service.core.errors",
     "planner_service.core.mask",
+    "planner_service.core.paths",
 })
 """What ``worker_runtime`` may import from ``planner_service``: the plan, the model shape
-it carries, the attention mask it records (``core.mask``), the exchange volumes of its
+it carries, the attention mask it records (``core.mask``), the names of comm modes and
+execution paths with the rule that picks a path (``core.paths``), the exchange volumes of its
 shards (``core.cost``) and the error the model shape's checks raise (``core.errors``)."""
 
 @pytest.fixture(scope="module")

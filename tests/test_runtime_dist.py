@@ -24,7 +24,7 @@ from planner_service.core.validate import validate_plan
 from planner_service.solvers.flashcp import flashcp_shards
 from planner_service.solvers.registry import get_strategy, solve, strategy_names
 from worker_runtime import (
-    COMM_MODES,
+    GATHER_MODES,
     ContextParallelAttention,
     planned_recv_tokens,
     reference_attention,
@@ -148,7 +148,7 @@ def equivalence_worker(rank: int, world_size: int, plan_jsons: list[str]) -> dic
     for ci, text in enumerate(plan_jsons):
         plan = Plan.from_json(text)
         case = reference_case(plan, ci)
-        for mode in COMM_MODES:
+        for mode in GATHER_MODES:
             attn = ContextParallelAttention(plan, comm_mode=mode)
             for dtype in (torch.float64, torch.float32):
                 attn.counter.reset()
@@ -174,7 +174,7 @@ def test_runtime_matches_float64_reference_and_plan_bytes(world_size: int) -> No
     per_rank = run_distributed(equivalence_worker, world_size, [p.to_json() for p in plans],
                                timeout_s=scaled(150.0))
     for ci, plan in enumerate(plans):
-        for mode in COMM_MODES:
+        for mode in GATHER_MODES:
             for dtype in (torch.float64, torch.float32):
                 key = (ci, mode, str(dtype))
                 itemsize = torch.empty(0, dtype=dtype).element_size()

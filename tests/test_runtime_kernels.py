@@ -16,7 +16,7 @@ from planner_service.core.model import ModelSpec
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import solve
 from worker_runtime import (
-    COMM_MODES,
+    GATHER_MODES,
     build_meta,
     flash_attn_available,
     reference_attention,
@@ -119,7 +119,7 @@ def bf16_against_reference(strategy: str, run: Callable[..., torch.Tensor], what
 @pytest.mark.gpu
 @needs_flash
 @pytest.mark.parametrize("strategy", ["per_doc", "flashcp", "llama3"])
-@pytest.mark.parametrize("mode", COMM_MODES)
+@pytest.mark.parametrize("mode", GATHER_MODES)
 def test_flash_attn_forward_backward_bf16_matches_reference(strategy: str, mode: str) -> None:
     bf16_against_reference(
         strategy, lambda plan, *qkv: simulate_plan(plan, mode, *qkv, kernel="flash").output,

@@ -17,7 +17,7 @@ from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import solve, strategy_names
 from worker_runtime import (
-    COMM_MODES,
+    GATHER_MODES,
     ContextParallelAttention,
     build_comm_map,
     build_layout,
@@ -66,7 +66,7 @@ def test_layouts_place_every_token_once_with_doc_positions(lengths, cp_size, str
 
 
 @settings(max_examples=30, deadline=None)
-@given(doc_lengths_st, st.integers(1, 5), st.sampled_from(FAST_STRATEGIES), st.sampled_from(COMM_MODES))
+@given(doc_lengths_st, st.integers(1, 5), st.sampled_from(FAST_STRATEGIES), st.sampled_from(GATHER_MODES))
 def test_simulated_runtime_matches_reference_and_plan_figures(lengths, cp_size, strategy, mode) -> None:
     plan = make_plan(lengths, cp_size, strategy)
     gen = torch.Generator().manual_seed(len(lengths))
@@ -116,7 +116,7 @@ def backward_route(plan: Plan, mode: str, d_recv: list[torch.Tensor], rows: int)
 
 
 @settings(max_examples=30, deadline=None)
-@given(doc_lengths_st, st.integers(2, 5), st.sampled_from(FAST_STRATEGIES), st.sampled_from(COMM_MODES))
+@given(doc_lengths_st, st.integers(2, 5), st.sampled_from(FAST_STRATEGIES), st.sampled_from(GATHER_MODES))
 def test_backward_maps_are_the_adjoint_of_the_forward_exchange(lengths, cp_size, strategy, mode) -> None:
     """sum_r <recv_r(x), g_r> == sum_r <x_r, back_r(g)>: backward returns every gradient row
     to exactly the local row its forward row came from."""
@@ -166,7 +166,7 @@ def test_index_maps_for_a_128k_plan_at_8_ranks_build_in_milliseconds() -> None:
     lengths = [40000, 1, 17, 25000, 8191, *([1023] * 40), 3001, 12000]
     lengths.append(131072 - sum(lengths))
     plan = make_plan(lengths, 8, "per_doc")
-    for mode in COMM_MODES:
+    for mode in GATHER_MODES:
         best = min(_timed(lambda mode=mode: build_comm_map(build_layout(plan, 7), mode)) for _ in range(5))
         assert best < 0.1, f"{mode}: {best * 1e3:.1f} ms"
 

@@ -23,7 +23,7 @@ from timing import scaled
 
 from planner_service.core.plan import Plan
 from worker_runtime import (
-    COMM_MODES,
+    GATHER_MODES,
     ContextParallelAttention,
     build_comm_map,
     build_layout,
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.
 
 TOL = 1e-10
 STRATEGIES = ("flashcp", "per_doc", "zigzag", "fcp")
-CASES = [(mode, False) for mode in COMM_MODES] + [("p2p_ring", True), ("p2p_ring", False)]
+CASES = [(mode, False) for mode in GATHER_MODES] + [("p2p_ring", True), ("p2p_ring", False)]
 """(comm mode, overlap): the gather modes with overlap off, the ring with it on and off."""
 
 
@@ -115,7 +115,7 @@ def test_kv_peak_is_the_distinct_kv_and_local_share_matches_brute_force() -> Non
                     held = {(d, p) for d, s, e in shards for p in range(s, e)}
                     local = sum(all((d, j) in held for j in range(p + 1))
                                 for d, s, e in shards for p in range(s, e))
-                    for mode in COMM_MODES:
+                    for mode in GATHER_MODES:
                         comm = build_comm_map(lay, mode)
                         assert local_share(lay, comm) == (local, lay.num_real)
                         assert len(comm.remote_index) == peak - lay.num_real

@@ -38,7 +38,7 @@ from planner_service.core.request import PlanRequest
 from planner_service.core.validate import validate_plan
 from planner_service.solvers.registry import solve, strategy_names
 from worker_runtime import (
-    COMM_MODES,
+    GATHER_MODES,
     ContextParallelAttention,
     build_comm_map,
     build_layout,
@@ -338,7 +338,7 @@ def test_rejects_unknown_flash_path_and_bad_signatures() -> None:
 # -- spawned gloo worlds ---------------------------------------------------------------------
 
 STRATEGIES = ("flashcp", "per_doc", "zigzag", "llama3")
-CASES = [(mode, overlap) for mode in COMM_MODES for overlap in (True, False)] + [("p2p_ring", True)]
+CASES = [(mode, overlap) for mode in GATHER_MODES for overlap in (True, False)] + [("p2p_ring", True)]
 """(comm mode, overlap); a ring plan runs as the segment ring (test_runtime_segring.py)."""
 
 
@@ -384,7 +384,7 @@ def test_segments_path_is_exact_with_plan_bytes_and_kv_peak(world_size: int) -> 
                 want = planned_recv_tokens(plan, rank, "full" if ring else mode) * row_bytes
                 assert got["bytes"] == (want, 2 * want if ring else want), f"{where}: {got['bytes']} != {want}"
                 assert got["peak"] == planned_kv_tokens_peak(plan, rank, mode), where
-        if plan.comm_mode in COMM_MODES:
+        if plan.comm_mode in GATHER_MODES:
             for group in plan.groups:
                 for slot, rank in enumerate(group.ranks):
                     got = per_rank[rank][(ci, plan.comm_mode, True)]["peak"]

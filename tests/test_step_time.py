@@ -20,6 +20,7 @@ from planner_service.core import segment_work as sgw
 from planner_service.core.build import GroupLayout, Layout, build_plan, canonical_shards
 from planner_service.core.metrics import group_metrics
 from planner_service.core.model import ModelSpec
+from planner_service.core.paths import FLASH_PATHS, RUNTIME_FLASH_PATH
 from planner_service.core.plan import Shard
 from planner_service.core.profiles import (
     KERNEL_PROFILES,
@@ -29,8 +30,6 @@ from planner_service.core.profiles import (
 )
 from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import (
-    FLASH_PATHS,
-    RUNTIME_FLASH_PATH,
     RUNTIME_OVERLAP,
     KernelWork,
     Rows,

@@ -20,12 +20,11 @@ from planner_service.core import segment_ring_work as srw
 from planner_service.core import segment_work as sgw
 from planner_service.core.build import GroupLayout, Layout, build_plan
 from planner_service.core.model import ModelSpec
+from planner_service.core.paths import PATHS, RING_PATHS
 from planner_service.core.plan import Shard
 from planner_service.core.profiles import KERNEL_PROFILES, LINK_PROFILES
 from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import (
-    PATHS,
-    RING_PATHS,
     KernelWork,
     Rows,
     copy_ms,

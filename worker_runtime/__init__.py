@@ -17,7 +17,7 @@ from worker_runtime.comm import CommCounter
 from worker_runtime.groups import GroupCache, clear_group_caches, group_cache
 from worker_runtime.kernels import build_meta, flash_attn_available, varlen_attention
 from worker_runtime.layout import (
-    COMM_MODES,
+    GATHER_MODES,
     CommMap,
     RankLayout,
     build_comm_map,
@@ -30,7 +30,7 @@ from worker_runtime.reference import document_mask, reference_attention
 from worker_runtime.safety import CollectiveCheckError, broadcast_plan
 
 __all__ = [
-    "COMM_MODES",
+    "GATHER_MODES",
     "RUN_MODES",
     "CollectiveCheckError",
     "CommCounter",

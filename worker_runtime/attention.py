@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from planner_service.core.paths import COMM_MODES, FLASH_PATHS
 from planner_service.core.plan import Plan
 from worker_runtime import dispatch as _dispatch
 from worker_runtime.aten_flash import RUNTIME_KERNELS, choose_kernel, kernel_record
@@ -62,7 +63,6 @@ from worker_runtime.kernels import (
     varlen_attention,
 )
 from worker_runtime.layout import (
-    COMM_MODES,
     CommMap,
     RankLayout,
     build_comm_map,
@@ -85,12 +85,9 @@ from worker_runtime.sinks import GatheredSinkAttention, check_sink
 from worker_runtime.windows import run_windowed
 
 VERIFY = ("first", "always", "never")
-FLASH_PATHS = ("segments", "gathered")
-"""How the flash kernel runs: one varlen call per piece pair merged by LSE, overlapped
-(``segments``), or one call on per-shard gathered keys (``gathered``)."""
 
 
-RUN_MODES = (*COMM_MODES, "p2p_ring")
+RUN_MODES = COMM_MODES
 """Modes a caller may ask for: the gather modes and the ring."""
 
 

@@ -1,6 +1,6 @@
 """The KV exchange: forward gather of the KV other ranks hold, backward return of dK/dV.
 
-Three modes (layout.COMM_MODES), all described by one ``CommMap``:
+Three modes (layout.GATHER_MODES), all described by one ``CommMap``:
 
 - ``full`` and ``compact_allgather``: one ``all_gather`` of an equal-size buffer (the whole
   local KV, or the compact buffer padded to the group's largest).

@@ -29,12 +29,8 @@ from typing import NamedTuple
 import numpy as np
 
 from planner_service.core.cost import CommVolumes, kv_tokens_peak, recv_tokens_by_mode
+from planner_service.core.paths import GATHER_MODES
 from planner_service.core.plan import Plan, RankStats, Shard
-
-COMM_MODES = ("full", "compact_allgather", "alltoallv")
-"""Exchanges with a comm map (gathered exchanges); ``p2p_ring`` runs as a ring (``ring.py``,
-``segring.py``), whose bytes equal ``full``'s, which is also how the gathered flash path
-runs it."""
 
 
 def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -254,15 +250,15 @@ class CommMap(NamedTuple):
 
 
 def build_comm_map(layout: RankLayout, mode: str, order: Sequence[int] | None = None) -> CommMap:
-    """Index maps of ``layout``'s rank for ``mode`` (one of COMM_MODES).
+    """Index maps of ``layout``'s rank for ``mode`` (one of GATHER_MODES).
 
     ``order[slot]`` is the rank of each group slot inside the process group that runs the
     collectives (default: position in the sorted group ranks, as ``new_group`` orders
     them); peers' blocks and split sizes follow that order.
     Raises ValueError for an unknown mode or an order that is not a permutation.
     """
-    if mode not in COMM_MODES:
-        raise ValueError(f"comm_mode must be one of {', '.join(COMM_MODES)}, got {mode!r}")
+    if mode not in GATHER_MODES:
+        raise ValueError(f"comm_mode must be one of {', '.join(GATHER_MODES)}, got {mode!r}")
     empty = np.zeros(0, dtype=np.int64)
     a = layout.arrays
     if a is None:

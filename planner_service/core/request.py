@@ -10,6 +10,7 @@ from typing import Any
 from planner_service.core.errors import FieldError
 from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.model import ModelSpec
+from planner_service.core.paths import COMM_MODES
 from planner_service.core.profiles import default_kernel_name, get_kernel_profile, get_link_profile
 
 MAX_CP_SIZE = 1024
@@ -20,7 +21,6 @@ so ``schedule``), ``planner schedule`` and the service's /v1/schedule and global
 jobs (where ``PLANNER_MAX_CP_SIZE`` may lower it); docs/settings.md."""
 MAX_TOKENS = 2**31 - 1
 """Total tokens of one request: local token indices are int32 in the runtime."""
-COMM_MODES = ("full", "compact_allgather", "alltoallv", "p2p_ring")
 DEFAULT_IMBALANCE_TARGET = 1.05
 
 

@@ -107,10 +107,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner_service.core import masked_work as mw
+from planner_service.core import paths
 from planner_service.core import segment_ring_work as srw
 from planner_service.core import segment_work as sgw
 from planner_service.core.cost import ShardArrays, comm_volumes, per_rank_sums, recv_tokens_by_mode
 from planner_service.core.model import ModelSpec
+from planner_service.core.paths import RING_PATHS, RUNTIME_FLASH_PATH
 from planner_service.core.plan import Plan, Shard
 from planner_service.core.profiles import KernelProfile, LinkProfile, get_kernel_profile
 
@@ -120,26 +122,10 @@ BWD_FLOP_RATIO = 2.5
 RUNTIME_OVERLAP = True
 """The runtime's default (``ContextParallelAttention(overlap=True)``; a test checks it)."""
 
-PATHS = ("segments", "gathered", "lean", "ring", "segment_ring")
-RING_PATHS = ("ring", "segment_ring")
-"""The paths that run a ``p2p_ring`` plan as a ring (the others run it as ``full``)."""
-FLASH_PATHS = ("segments", "gathered")
-"""How flash-attn runs (``ContextParallelAttention(flash_path=...)``)."""
-RUNTIME_FLASH_PATH = "segments"
-"""The runtime's default flash path (a test checks it); ``gathered`` runs on opt-out or
-when flash-attn's private varlen API fails the runtime's probe."""
-
-
 def execution_path(kernel: KernelProfile, comm_mode: str, flash_path: str = RUNTIME_FLASH_PATH) -> str:
-    """The runtime path for a kernel profile and comm mode (module docstring): flash-attn
-    (``segment`` tiling) runs ``flash_path`` (FLASH_PATHS), a ``p2p_ring`` plan on the
-    segments flash path as ``segment_ring``; the PyTorch kernel (``packed``) runs a ring for
-    ``p2p_ring`` and the lean path otherwise. ValueError for an unknown ``flash_path``."""
-    if flash_path not in FLASH_PATHS:
-        raise ValueError(f"flash_path must be one of {', '.join(FLASH_PATHS)}, got {flash_path!r}")
-    if kernel.tiling == "segment":
-        return "segment_ring" if comm_mode == "p2p_ring" and flash_path == "segments" else flash_path
-    return "ring" if comm_mode == "p2p_ring" else "lean"
+    """The runtime path for a kernel profile and comm mode: ``paths.execution_path`` on the
+    profile's tiling. ValueError for an unknown ``flash_path``."""
+    return paths.execution_path(kernel.tiling, comm_mode, flash_path)
 
 
 def held_kv_mode(kernel: str, comm_mode: str) -> str:

@@ -6,8 +6,8 @@ import math
 from typing import Any
 
 from planner_service.core.metrics import group_metrics, plan_metrics
+from planner_service.core.paths import COMM_MODES
 from planner_service.core.plan import Metrics, Plan, content_hash
-from planner_service.core.request import COMM_MODES
 
 REL_TOL = 1e-9
 """Float metrics are recomputed by the same code; only JSON round trips may differ."""

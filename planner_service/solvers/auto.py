@@ -39,10 +39,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from planner_service.core.build import Layout, build_plan
+from planner_service.core.paths import RING_PATHS
 from planner_service.core.plan import Metrics
 from planner_service.core.profiles import get_kernel_profile
 from planner_service.core.request import PlanRequest
-from planner_service.core.step_time import RING_PATHS, execution_path, held_kv_mode
+from planner_service.core.step_time import execution_path, held_kv_mode
 from planner_service.solvers.balance import declared
 from planner_service.solvers.fcp_strategy import Intra
 from planner_service.solvers.kv_bound import KvBoundError, kv_floor, plan_peak

@@ -57,6 +57,7 @@ import numpy as np
 
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.cost import alltoallv_receives, comm_volumes, doc_workload, imbalance
+from planner_service.core.paths import COMM_MODES
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.balance import declared
@@ -119,9 +120,6 @@ again: hundreds of milliseconds on 100,000 docs)."""
 PAPER_RETRY_RANKS = 128
 """Ranks up to which that second run is tried (above, each round copies and cuts over
 every rank: a quarter second for 20 rounds at N = 1,024)."""
-
-COMM_MODES = ("alltoallv", "compact_allgather", "full", "p2p_ring")
-
 
 def passes(doc_lengths: Sequence[int], order: list[int], n: int, allowed: float) -> tuple[list[Pass], list[Pass]]:
     """(the balanced passes always run, those run only if no layout of the first meets R).
