@@ -51,7 +51,7 @@ from planner_service.data import make_source
 from worker_runtime.aten_flash import aten_segments, flash_impl, load_aten_ops
 from worker_runtime.kernels import flash_attn_available
 from worker_runtime.profiler import device_name
-from worker_runtime.segkernels import (
+from worker_runtime.paths.segment_kernels import (
     FlashApiError,
     ReferenceSegments,
     SegmentKernel,

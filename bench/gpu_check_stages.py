@@ -34,10 +34,11 @@ from worker_runtime.profiler import (
     write_timings,
 )
 from worker_runtime.reference import reference_attention
-from worker_runtime.ring import ring_link
-from worker_runtime.segattention import LocalSegmentAttention, build_segment_state
-from worker_runtime.segkernels import SegmentKernel, SegmentVarlen
-from worker_runtime.segring import LocalSegmentRingAttention, build_segment_ring_state
+from worker_runtime.paths.ring_steps import ring_link
+from worker_runtime.paths.piece_calls import build_segment_state
+from worker_runtime.paths.segments import LocalSegmentAttention
+from worker_runtime.paths.segment_kernels import SegmentKernel, SegmentVarlen
+from worker_runtime.paths.segment_ring import LocalSegmentRingAttention, build_segment_ring_state
 from worker_runtime.simulate import simulate_plan, simulate_segment_ring, simulate_segments
 
 PATHS = ("segments", "segment_ring", "gathered")

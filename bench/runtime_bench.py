@@ -42,7 +42,7 @@ from planner_service.core.request import PlanRequest
 from planner_service.data import CONTEXT_128K, make_source, pack_sequences
 from planner_service.solvers.registry import solve
 from worker_runtime import GATHER_MODES, ContextParallelAttention, build_comm_map, build_layout
-from worker_runtime.overlap import local_share
+from worker_runtime.paths.lean import local_share
 from worker_runtime.profiler import attention_records, comm_record, timings_document, write_timings
 from worker_runtime.testing import run_distributed
 

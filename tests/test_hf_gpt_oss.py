@@ -61,7 +61,7 @@ def worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
     from planner_service.core.plan import Plan
     from worker_runtime import ContextParallelAttention
     from worker_runtime.hf import enable_cp_attention, prepare_batch, use_cp_attention
-    from worker_runtime.segkernels import ReferenceSegments
+    from worker_runtime.paths.segment_kernels import ReferenceSegments
 
     plan = Plan.from_json(plan_json)
     model = enable_cp_attention(tiny_gpt_oss())

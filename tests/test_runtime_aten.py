@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from aten_flash_standin import STANDIN, variant
-from test_runtime_dist import (
+from runtime_cases import (
     MODEL,
     max_abs,
     random_doc_lengths,
@@ -40,7 +40,12 @@ from worker_runtime.aten_flash import (
     load_aten_ops,
     schema_args,
 )
-from worker_runtime.segkernels import FlashApiError, ReferenceSegments, SegmentVarlen, probe
+from worker_runtime.paths.segment_kernels import (
+    FlashApiError,
+    ReferenceSegments,
+    SegmentVarlen,
+    probe,
+)
 from worker_runtime.simulate import simulate_segments
 from worker_runtime.testing import run_distributed
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_runtime_kernels import bf16_against_reference
+from runtime_cases import bf16_against_reference
 
 from bench.gpu_check_stages import simulate_gathered
 from planner_service.core.model import ModelSpec
@@ -19,7 +19,7 @@ from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import solve
 from worker_runtime import ContextParallelAttention
 from worker_runtime.aten_flash import AtenSegments, aten_segments
-from worker_runtime.segkernels import ReferenceSegments
+from worker_runtime.paths.segment_kernels import ReferenceSegments
 from worker_runtime.simulate import simulate_segment_ring, simulate_segments
 
 TE_BF16_TOL = 2.5e-2

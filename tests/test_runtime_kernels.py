@@ -4,15 +4,14 @@ flash-attn against the float64 reference (GPU, bf16, TransformerEngine's CP tole
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runtime_cases import bf16_against_reference
 
-from planner_service.core.model import ModelSpec
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import solve
 from worker_runtime import (
@@ -23,10 +22,6 @@ from worker_runtime import (
     varlen_attention,
 )
 from worker_runtime.simulate import simulate_plan
-
-TE_BF16_TOL = 2.5e-2
-"""TransformerEngine's context-parallel tests compare bf16 outputs and gradients with
-atol = rtol = 2.5e-2 (tests/pytorch/fused_attn/run_fused_attn_with_cp.py)."""
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_flash = pytest.mark.skipif(
@@ -92,28 +87,6 @@ def test_rejects_more_queries_than_keys_and_unknown_kernel() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="kernel='flash' needs CUDA"):
             varlen_attention(x, x, x, meta, 1.0, "flash")
-
-
-def bf16_against_reference(strategy: str, run: Callable[..., torch.Tensor], what: str) -> None:
-    """``run(plan, q, k, v)``: the output of a 4-rank plan run in bf16 on one GPU (ranks one
-    after another), checked with its q/k/v gradients against the float64 reference on the
-    same bf16-rounded inputs (TransformerEngine's CP tolerance)."""
-    lengths = [1, 700, 33, 2049, 5, 1500, 260]
-    model = ModelSpec(num_heads=8, num_kv_heads=2, head_dim=128)
-    plan = solve(PlanRequest(doc_lengths=lengths, cp_size=4, strategy=strategy, model=model))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    s = sum(lengths)
-    bf = [torch.randn(s, h, 128, generator=gen, device="cuda").to(torch.bfloat16).requires_grad_()
-          for h in (8, 2, 2)]
-    w = torch.randn(s, 8, 128, generator=gen, device="cuda", dtype=torch.float64)
-    leaves = [t.detach().double().requires_grad_() for t in bf]
-    ref = reference_attention(*leaves, lengths)
-    ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
-    out = run(plan, *bf)
-    grads = torch.autograd.grad((out.double() * w).sum(), bf)
-    for name, got, want in [("out", out, ref), *zip(("dq", "dk", "dv"), grads, ref_grads, strict=True)]:
-        torch.testing.assert_close(got.double(), want.detach(), atol=TE_BF16_TOL, rtol=TE_BF16_TOL,
-                                   msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 @pytest.mark.gpu

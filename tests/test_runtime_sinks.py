@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
-from test_runtime_dist import max_abs, random_doc_lengths, solve_any
+from runtime_cases import max_abs, random_doc_lengths, solve_any
 from timing import scaled
 
 from planner_service.core.plan import Plan
 from worker_runtime import ContextParallelAttention
+from worker_runtime.paths.segment_kernels import ReferenceSegments
 from worker_runtime.reference import document_mask
-from worker_runtime.segkernels import ReferenceSegments
 from worker_runtime.sinks import check_sink, merge_sink_, sink_grad
 from worker_runtime.testing import run_distributed
 

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 from aten_flash_standin import variant
-from test_runtime_dist import MULTI_GROUPS, max_abs, multi_group_plan, solve_any
-from test_runtime_segments import random_plan
+from runtime_cases import MULTI_GROUPS, max_abs, multi_group_plan, random_plan, solve_any
 
 from planner_service.core import cost
 from planner_service.core import window_work as ww
@@ -27,8 +26,8 @@ from planner_service.core.plan import Plan
 from worker_runtime import ContextParallelAttention, build_layout, reference_attention
 from worker_runtime.aten_flash import AtenSegments
 from worker_runtime.kernels import build_masked_meta, build_meta, varlen_attention
+from worker_runtime.paths.segment_kernels import ReferenceSegments
 from worker_runtime.reference import document_mask
-from worker_runtime.segkernels import ReferenceSegments
 from worker_runtime.testing import run_distributed
 from worker_runtime.window_map import build_window_comm_map, ring_steps, window_transfers
 

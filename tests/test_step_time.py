@@ -52,9 +52,10 @@ from planner_service.solvers.registry import solve
 from worker_runtime import ContextParallelAttention, build_comm_map, build_layout
 from worker_runtime.attention import FLASH_PATHS as RUNTIME_FLASH_PATHS
 from worker_runtime.kernels import BLOCK_K, BLOCK_Q, build_masked_meta
-from worker_runtime.overlap import remote_query_rows
-from worker_runtime.ring import rows_seeing, slot_rows
-from worker_runtime.segments import build_segment_plan
+from worker_runtime.paths.lean import remote_query_rows
+from worker_runtime.paths.pieces import build_segment_plan
+from worker_runtime.paths.ring_steps import slot_rows
+from worker_runtime.paths.rows import rows_seeing
 
 MODEL = ModelSpec()
 CPU_MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype_bytes=4, hidden_size=128,

@@ -1,6 +1,6 @@
 """PyTorch's own FlashAttention as a segment kernel, and the runtime's kernel choice.
 
-``AtenSegments`` runs the ``SegmentKernel`` contract (``segkernels.py``) on
+``AtenSegments`` runs the ``SegmentKernel`` contract (``paths/segment_kernels.py``) on
 ``torch.ops.aten._flash_attention_forward`` / ``_flash_attention_backward``, the varlen
 FlashAttention-2 kernels every CUDA build of PyTorch ships (sm80 and newer, fp16/bf16,
 head dim a multiple of 8 up to 256, int32 cu_seqlens), so the GPU path needs no package
@@ -29,7 +29,7 @@ route these same ops to FlashAttention 3 or 4 process-wide
 (``torch.nn.attention.activate_flash_attention_impl``, where the ``flash_attn_3`` /
 ``flash-attn-4`` package is installed): kernels ``aten-fa3`` / ``aten-fa4`` activate it.
 Every (device, dtype, head dim, impl) is probed against the reference before first use
-(``segkernels.probe``); a refusal gives None and one RuntimeWarning per process.
+(``segment_kernels.probe``); a refusal gives None and one RuntimeWarning per process.
 
 Kernel names (``ContextParallelAttention(kernel=...)``, RUNTIME_KERNELS), per call:
 
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from worker_runtime.kernels import flash_attn_available
-from worker_runtime.segkernels import (
+from worker_runtime.paths.segment_kernels import (
     FlashApiError,
     SegmentKernel,
     SegmentMeta,

@@ -1,67 +1,46 @@
 """The public runtime object: one plan, this rank, a process group -> local layout and a
 differentiable context-parallel attention call.
 
-Per call, by comm mode and kernel:
+Per call the runtime picks an execution path with the plan contract's rule
+(``core.paths.execution_path``: the kernel's tiling, the comm mode and ``flash_path``) and
+runs it from the table ``worker_runtime.paths.PATHS`` (one module per path, docs/paths.md):
 
-- gather modes (``full``, ``compact_allgather``, ``alltoallv``) on the exact torch kernel:
-  ``overlap.LeanAttention``: the exchange starts async, local-key attention runs while it
-  is in flight, one copy of the distinct remote KV is kept, parts merge by log-sum-exp;
-- ``p2p_ring`` (a ring plan's own mode) on the torch kernel: ``ring.RingAttention``, N - 1
-  point-to-point steps overlapped with the current block's attention;
+- the PyTorch kernel (exact, any device): ``lean`` for the gather modes (``full``,
+  ``compact_allgather``, ``alltoallv``), ``ring`` for ``p2p_ring``;
 - a segment kernel (CUDA, fp16/bf16: PyTorch's own FlashAttention by default, flash-attn
-  with ``kernel="flash"``; ``aten_flash.choose_kernel``), ``flash_path="segments"`` (the
-  default): ``segattention.SegmentAttention``: the lean path's structure on varlen calls.
-  Each rank's document mask splits into ``M (M + 1)`` calls (``segments.py``; M = most
-  shards of one doc on the rank): own-key calls while the exchange is in flight,
-  remote-key calls on one copy of the distinct remote KV, log-sum-exp merge, backward
-  mirrored. Every kernel is probed against the reference first (``aten_flash.aten_segments``,
-  ``segkernels.flash_segments``); a refused one falls back with one warning (PyTorch's
-  kernel to flash-attn under ``auto`` where installed, else to the torch kernel; flash-attn
-  to its gathered path);
-- ``p2p_ring`` where the segments path would run: ``segring.SegmentRingAttention``, the
-  ring's steps with each step's attention as varlen calls reading the received block in
-  place (``segment_ring``);
-- ``flash_path="gathered"`` (or flash-attn's fallback): exchange (blocking), gather
-  every shard's keys ``[0, e)`` of its doc (``kv_index``), one varlen kernel call (the
-  segment kernel's, ``segkernels.SegmentVarlen``, or flash-attn's public varlen function);
-  a ring plan runs its bytes as ``full`` there.
+  with ``kernel="flash"``; ``aten_flash.choose_kernel``): ``segments`` (the default
+  ``flash_path``) or ``segment_ring`` for ``p2p_ring``, ``gathered`` with
+  ``flash_path="gathered"``. Every kernel is probed against the reference first; a refused
+  one falls back with one warning (PyTorch's kernel to flash-attn under ``auto`` where
+  installed, else to the PyTorch kernel; flash-attn to the gathered path with its public
+  varlen function).
 
-Attention sinks (``attention(..., sink=)``, one logit per query head) merge into every
-path's log-sum-exp after its last part (``sinks.py``); the gathered path with a sink runs
-its one call as a segment kernel call (flash-attn's varlen forward/backward, or the exact
-reference on the torch kernel), which returns the log-sum-exp the merge needs.
-
-Sliding-window layers (``attention(..., window=W)``) run on every path as ``windows.py``
-describes. ``segment_kernel`` runs the segments path (or the segment ring) with another kernel on any
-device (the tests pass the exact ``segkernels.ReferenceSegments``). ``overlap=False`` waits
-for every exchange right after starting it (same arithmetic).
-Backward runs the collectives in reverse, so every rank of a group must call backward if
-any does.
+Only the path a call runs has its state built (once per device, segment kernel and
+window). Attention sinks (``attention(..., sink=)``) merge into every path's log-sum-exp
+(``sinks.py``); sliding-window layers (``attention(..., window=W)``) run on the path the
+table names for them (``windows.py``). ``segment_kernel`` runs the segments path (or the
+segment ring) with another kernel on any device (the tests pass the exact
+``segment_kernels.ReferenceSegments``). ``overlap=False`` waits for every exchange right
+after starting it (same arithmetic). Backward runs the collectives in reverse, so every
+rank of a group must call backward if any does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from planner_service.core.paths import COMM_MODES, FLASH_PATHS
+from planner_service.core.paths import COMM_MODES, FLASH_PATHS, ExecutionPath, execution_path
 from planner_service.core.plan import Plan
 from worker_runtime import dispatch as _dispatch
 from worker_runtime.aten_flash import RUNTIME_KERNELS, choose_kernel, kernel_record
-from worker_runtime.comm import CommCounter, Exchanger, KVExchange
+from worker_runtime.comm import CommCounter, Exchanger
 from worker_runtime.groups import group_cache
-from worker_runtime.kernels import (
-    VarlenMeta,
-    build_meta,
-    check_window,
-    uses_flash,
-    varlen_attention,
-)
+from worker_runtime.kernels import check_window
 from worker_runtime.layout import (
     CommMap,
     RankLayout,
@@ -70,19 +49,11 @@ from worker_runtime.layout import (
     planned_kv_tokens_peak,
     planned_recv_tokens,
 )
-from worker_runtime.overlap import LeanAttention, LeanState, build_state, local_share
-from worker_runtime.ring import RingAttention, build_ring_state, ring_link
+from worker_runtime.paths import PATHS, PathContext
+from worker_runtime.paths.lean import local_share
+from worker_runtime.paths.segment_kernels import SegmentKernel
 from worker_runtime.safety import CollectiveCheckError, agree, local_input_problem
-from worker_runtime.segattention import SegmentAttention, build_segment_state
-from worker_runtime.segkernels import (
-    ReferenceSegments,
-    SegmentKernel,
-    SegmentVarlen,
-    flash_segments,
-)
-from worker_runtime.segring import SegmentRingAttention, build_segment_ring_state
-from worker_runtime.sinks import GatheredSinkAttention, check_sink
-from worker_runtime.windows import run_windowed
+from worker_runtime.sinks import check_sink
 
 VERIFY = ("first", "always", "never")
 
@@ -101,13 +72,12 @@ def resolve_comm_mode(plan: Plan, comm_mode: str | None) -> str:
 
 
 class _DeviceState(NamedTuple):
-    meta: VarlenMeta
-    kv_index: torch.Tensor
     exchanger: Exchanger
-    lean: LeanState
+    """The causal exchange on the device (built with the device state)."""
     paths: dict[tuple[Any, ...], Any]
-    """The ring's, segments path's and segment ring's state per (path, segment kernel
-    name), and per (path, kernel name, window) for sliding-window calls; built on first use."""
+    """Each path's state per (path, segment kernel name, window); built on first use."""
+    shared: dict[Any, Any]
+    """What several paths share on the device (a window's exchange)."""
 
 
 class ContextParallelAttention:
@@ -251,65 +221,24 @@ class ContextParallelAttention:
         every rank of the group if any rank's inputs do not match the plan (checked on the
         first call, or every call with verify='always').
         """
-        lay = self.layout
         check_sink(sink, q.shape[1])
         window = check_window(window)
         path, segment_kernel = self.execution_path(q)
         self._check(q, k, v, path, window)
-        if lay.group_index < 0:
+        if self.layout.group_index < 0:
             # No rows; tied to q, k, v so a caller's backward gives them (empty) gradients.
             tied = (k.sum() + v.sum() + (sink.sum() if sink is not None else 0)) * 0
             return q * 0 + tied
-        state = self._state(q.device)
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        runner = PATHS[ExecutionPath(path)]
         if window is not None:
-            return run_windowed(self, q, k, v, state, path, segment_kernel, scale, sink, window)
-        if path == "segments":
-            assert segment_kernel is not None
-            seg = self._path_state(state, path, segment_kernel, lambda: build_segment_state(
-                lay, self.comm_map, segment_kernel, q.device, state.exchanger))
-            return SegmentAttention.apply(q, k, v, seg, scale, self.overlap, sink)
-        if path == "segment_ring":
-            assert segment_kernel is not None
-            link = ring_link(lay, self.process_group, self.order, self.counter)
-            seg_ring = self._path_state(state, path, segment_kernel, lambda: build_segment_ring_state(
-                lay, segment_kernel, link, q.device))
-            return SegmentRingAttention.apply(q, k, v, seg_ring, scale, self.overlap, sink)
-        if path == "ring":
-            ring = self._path_state(state, path, None, lambda: build_ring_state(
-                lay, self.process_group, self.order, self.counter, q.device))
-            return RingAttention.apply(q, k, v, ring, scale, self.overlap, sink)
-        if path == "lean":
-            return LeanAttention.apply(q, k, v, state.lean, scale, self.overlap, sink)
-        kv = torch.stack((k, v), dim=1)
-        source = KVExchange.apply(kv, state.exchanger)
-        # Gathering K and V apart gives the contiguous [keys, G, D] tensors flash-attn wants.
-        k_seq = source[:, 0].index_select(0, state.kv_index)
-        v_seq = source[:, 1].index_select(0, state.kv_index)
-        r = lay.num_real
-        with_sink = sink is not None and r > 0
-        if segment_kernel is not None:
-            meta = self._path_state(state, path, segment_kernel, lambda: segment_kernel.meta(
-                lay.cu_seqlens_q, lay.cu_seqlens_k, True, q.device))
-            if with_sink:
-                out = GatheredSinkAttention.apply(q[:r], k_seq, v_seq, sink, segment_kernel, meta, scale)
-            else:
-                out = SegmentVarlen.apply(q[:r], k_seq, v_seq, segment_kernel, meta, scale)
-        elif with_sink:
-            kern, meta = self._gathered_sink_kernel(state, q)
-            out = GatheredSinkAttention.apply(q[:r], k_seq, v_seq, sink, kern, meta, scale)
-        else:
-            out = varlen_attention(q[:r], k_seq, v_seq, state.meta, scale, "flash")
-        out = torch.cat((out, q.new_zeros((lay.num_tokens - r, *q.shape[1:]))))
-        if r == 0:
-            # No queries here, but peers may still send dK/dV back in backward: keep the
-            # exchange in the graph so this rank joins that collective.
-            out = out + (source.sum() + (sink.sum() if sink is not None else 0)) * 0
-        return out
+            runner = PATHS[runner.windowed]
+        state = self.path_state(runner.name, q.device, segment_kernel, window)
+        return runner.run(state, q, k, v, scale, self.overlap, sink)
 
     __call__ = attention
 
-    def execution_path(self, q: torch.Tensor) -> tuple[str, SegmentKernel | None]:
+    def execution_path(self, q: torch.Tensor) -> tuple[ExecutionPath, SegmentKernel | None]:
         """(path, segment kernel) a call with queries like ``q`` runs: ``segments`` or
         ``segment_ring`` (a ``p2p_ring`` plan), ``gathered`` (a segment kernel's one call,
         or flash-attn's public varlen function: kernel None), ``ring`` or ``lean`` (the
@@ -321,20 +250,19 @@ class ContextParallelAttention:
     def kernel_record(self, q: torch.Tensor) -> dict[str, str]:
         """What a call with queries like ``q`` runs: path, kernel name, FlashAttention impl
         (``FA2``, ``FA3``, ``FA4`` behind PyTorch's ops) and torch version."""
-        return kernel_record(*self._choice(q))
+        path, found, flash_gathered = self._choice(q)
+        return kernel_record(str(path), found, flash_gathered)
 
-    def _choice(self, q: torch.Tensor) -> tuple[str, SegmentKernel | None, bool]:
-        ring = self.comm_mode == "p2p_ring"
+    def _choice(self, q: torch.Tensor) -> tuple[ExecutionPath, SegmentKernel | None, bool]:
+        """(path, segment kernel, flash-attn's public function on the gathered path)."""
         if self.segment_kernel is not None:
-            return ("segment_ring" if ring else "segments"), self.segment_kernel, False
+            return execution_path("segment", self.comm_mode), self.segment_kernel, False
         found, flash_gathered = choose_kernel(self.kernel, q, self.flash_path)
         if found is not None:
-            if self.flash_path == "gathered":
-                return "gathered", found, False
-            return ("segment_ring" if ring else "segments"), found, False
+            return execution_path("segment", self.comm_mode, self.flash_path), found, False
         if flash_gathered:
-            return "gathered", None, True
-        return ("ring" if ring else "lean"), None, False
+            return execution_path("segment", self.comm_mode, "gathered"), None, True
+        return execution_path("packed", self.comm_mode), None, False
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str,
                window: int | None = None) -> None:
@@ -347,7 +275,7 @@ class ContextParallelAttention:
         else:
             # The path too: ranks on different paths would run different collectives.
             extra: dict[str, Any] = {"dtype": str(q.dtype), "heads": tuple(q.shape[1:]),
-                                     "kv_heads": tuple(k.shape[1:]), "path": path}
+                                     "kv_heads": tuple(k.shape[1:]), "path": str(path)}
             if window is not None:
                 # Ranks on different windows would run different exchanges.
                 extra["window"] = window
@@ -359,45 +287,27 @@ class ContextParallelAttention:
         """The KV exchange bound to ``device`` (the profiler times it alone)."""
         return self._state(torch.device(device)).exchanger
 
+    def path_state(self, path: ExecutionPath | str, device: torch.device | str,
+                   kernel: SegmentKernel | None = None, window: int | None = None) -> Any:
+        """The state of ``path`` (``PATHS[path].build``) on ``device`` with segment kernel
+        ``kernel`` and ``window``, built on first use; what ``PATHS[path].planned_calls``
+        and ``planned_transfers`` read."""
+        device = torch.device(device)
+        dev = self._state(device)
+        key = (ExecutionPath(path), kernel.name if kernel is not None else "", window)
+        if key not in dev.paths:
+            ctx = PathContext(self.layout, self.comm_map, self.gather_mode, self.process_group,
+                              self.order, self.counter, device, dev.exchanger, kernel, window,
+                              dev.shared)
+            dev.paths[key] = PATHS[key[0]].build(ctx)
+        return dev.paths[key]
+
     def _state(self, device: torch.device) -> _DeviceState:
         if device not in self._states:
-            lay, comm = self.layout, self.comm_map
             position = dist.get_rank(self.process_group) if self.process_group is not None else 0
-            exchanger = Exchanger.create(comm, self.process_group, position, self.counter, device)
-            self._states[device] = _DeviceState(
-                meta=build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device),
-                kv_index=torch.from_numpy(comm.kv_index).to(device),
-                exchanger=exchanger,
-                lean=build_state(lay, exchanger, device),
-                paths={},
-            )
+            exchanger = Exchanger.create(self.comm_map, self.process_group, position, self.counter, device)
+            self._states[device] = _DeviceState(exchanger=exchanger, paths={}, shared={})
         return self._states[device]
-
-    def _gathered_sink_kernel(self, state: _DeviceState, q: torch.Tensor) -> tuple[SegmentKernel, Any]:
-        """The segment kernel (flash-attn's private varlen forward/backward where the gathered
-        path runs flash-attn's public varlen function, else the exact reference) and its one
-        causal call's metadata for the gathered path with a sink (the sink needs the call's log-sum-exp). Raises ValueError where
-        the flash kernel runs but its varlen API cannot be used."""
-        flash = uses_flash(q, "auto")
-        kern: SegmentKernel | None = flash_segments(q.device, q.dtype, q.shape[-1]) if flash else ReferenceSegments()
-        if kern is None:
-            raise ValueError("attention sinks on the flash kernel need flash-attn's varlen forward/backward "
-                             "with log-sum-exp (segkernels.flash_segments), which cannot be used here: "
-                             "pass kernel='torch' or drop the sink")
-        lay = self.layout
-        return kern, self._path_state(state, "gathered_sink", kern, lambda: kern.meta(
-            lay.cu_seqlens_q, lay.cu_seqlens_k, True, q.device))
-
-    @staticmethod
-    def _path_state(state: _DeviceState, path: str, kernel: SegmentKernel | None,
-                    build: Callable[[], Any], window: int | None = None) -> Any:
-        """The state of ``path`` with ``kernel`` (and ``window``) on ``state``'s device, built once."""
-        key: tuple[Any, ...] = (path, kernel.name if kernel is not None else "")
-        if window is not None:
-            key += (window,)
-        if key not in state.paths:
-            state.paths[key] = build()
-        return state.paths[key]
 
     def _parent(self) -> Any:
         return self.parent if self.parent is not None else dist.group.WORLD

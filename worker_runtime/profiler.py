@@ -30,7 +30,7 @@ from planner_service.core.plan import Plan, Shard
 from worker_runtime.aten_flash import choose_kernel
 from worker_runtime.attention import ContextParallelAttention
 from worker_runtime.kernels import build_meta, varlen_attention
-from worker_runtime.segkernels import SegmentVarlen
+from worker_runtime.paths.segment_kernels import SegmentVarlen
 
 TIMINGS_FORMAT = "cp-planner-timings/v1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

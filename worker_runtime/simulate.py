@@ -5,7 +5,7 @@ replaced by reading the peers' buffers directly, so one process (or one GPU) can
 whole plan against the reference and time every rank's kernel (ring-flash-attention's
 tests loop their shard metadata over every rank the same way). ``simulate_plan`` runs the
 gathered path (one varlen call per rank); ``simulate_segments`` the flash path's calls;
-``simulate_segment_ring`` the segment ring's calls (``segring.py``).
+``simulate_segment_ring`` the segment ring's calls (``paths/segment_ring.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from worker_runtime.comm import CommCounter
 from worker_runtime.dispatch import dispatch, undispatch
 from worker_runtime.kernels import build_meta, varlen_attention
 from worker_runtime.layout import CommMap, RankLayout, build_comm_map, build_layout
-from worker_runtime.ring import ring_link
-from worker_runtime.segattention import LocalSegmentAttention, build_segment_state
-from worker_runtime.segkernels import SegmentKernel
-from worker_runtime.segring import LocalSegmentRingAttention, build_segment_ring_state
+from worker_runtime.paths.piece_calls import build_segment_state
+from worker_runtime.paths.ring_steps import ring_link
+from worker_runtime.paths.segment_kernels import SegmentKernel
+from worker_runtime.paths.segment_ring import LocalSegmentRingAttention, build_segment_ring_state
+from worker_runtime.paths.segments import LocalSegmentAttention
 
 
 class Simulated(NamedTuple):
@@ -96,7 +97,7 @@ def simulate_segments(
     *,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """The flash path's calls (``segattention.LocalSegmentAttention``) for every rank on
+    """The flash path's calls (``paths.segments.LocalSegmentAttention``) for every rank on
     global packed q ``[S, H, D]``, k, v ``[S, G, D]``; the remote buffer is read from the
     global K and V (the distinct remote KV is the same in every gather mode). Returns the
     global output; differentiable end to end."""
@@ -125,7 +126,7 @@ def simulate_segment_ring(
     *,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """The segment ring's calls (``segring.LocalSegmentRingAttention``) for every rank on
+    """The segment ring's calls (``paths.segment_ring.LocalSegmentRingAttention``) for every rank on
     global packed q ``[S, H, D]``, k, v ``[S, G, D]``; the block of step s is read from
     the global K and V as slot ``i - s``'s local rows (what the ring delivers), whatever
     the plan's comm mode. Returns the global output; differentiable end to end."""

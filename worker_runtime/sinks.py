@@ -16,9 +16,10 @@ row of P carries value 0, so it adds nothing to dV or dQ). The sink's gradient i
 over this rank's queries: a partial gradient, which the training loop's gradient
 all-reduce sums over the ranks like any other replicated parameter's.
 
-Every path (``overlap``, ``ring``, ``segattention``, ``segring`` and the gathered path
-below) calls :func:`merge_sink_` once after its last merge and :func:`sink_grad` once in
-backward, so segment kernels (``segkernels.SegmentKernel``) need no sink support.
+Every path (``worker_runtime.paths``: lean, ring, segments, segment ring and the gathered
+path's ``GatheredSinkAttention``) calls :func:`merge_sink_` once after its last merge and
+:func:`sink_grad` once in backward, so segment kernels (``segment_kernels.SegmentKernel``)
+need no sink support.
 
 Shape legend: T query rows, H query heads, D head dim; ``lse_TH`` may be a transposed view
 of a path's ``[H, T]`` accumulator.
@@ -26,11 +27,7 @@ of a path's ``[H, T]`` accumulator.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-
-from worker_runtime.segkernels import SegmentKernel, SegmentMeta
 
 
 def check_sink(sink: torch.Tensor | None, num_heads: int) -> None:
@@ -66,30 +63,3 @@ def sink_grad(lse_TH: torch.Tensor, delta_TH: torch.Tensor,
     s = sink_H.detach().to(lse_TH.dtype)
     grad = -(torch.exp(s - lse_TH) * delta_TH.to(lse_TH.dtype)).sum(dim=0)
     return grad.to(sink_H.dtype)
-
-
-class GatheredSinkAttention(torch.autograd.Function):
-    """The gathered path with a sink: one causal varlen call of ``kernel`` (queries
-    ``q [T, H, D]`` against each shard's gathered keys), the sink merged into its output
-    and log-sum-exp, backward from the merged ones. Differentiable in q, k, v and sink."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                sink: torch.Tensor, kernel: SegmentKernel, meta: SegmentMeta,
-                scale: float) -> torch.Tensor:
-        out, lse = kernel.forward(q, k, v, meta, scale)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out, lse = out.to(acc), lse.to(acc)
-        merge_sink_(out, lse.t(), sink)
-        result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse, sink)
-        ctx.kernel, ctx.meta, ctx.scale = kernel, meta, scale
-        return result
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
-        q, k, v, result, lse, sink = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, result, lse, ctx.meta, ctx.scale)
-        d_sink = sink_grad(lse.t(), row_delta(dout, result, lse.dtype), sink)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sink, None, None, None

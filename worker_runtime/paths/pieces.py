@@ -1,4 +1,4 @@
-"""The flash path's key sets as varlen calls: one rank's document mask split into
+"""The segments path's key sets as varlen calls (``PieceCall``): one rank's document mask split into
 contiguous (query segment, key segment) pairs, each causal or full (numpy, built once).
 
 flash-attn's varlen format gives each query segment one contiguous key segment, either
@@ -25,7 +25,7 @@ Every (query, key) pair of the document mask is in exactly one call; every key r
 exactly one buffer. A gap can be empty for some documents (a rank holding a document's
 first tokens has no ``G_1``); a remote call covers the documents from its first to its last
 non-empty gap, and the query rows of the empty gaps inside that range are listed
-(``SegmentCall.empty``): the caller masks their (undefined) results.
+(``PieceCall.empty``): the caller masks their (undefined) results.
 
 ``M (M + 1)`` calls per pass at most: ``j + 1`` local and up to ``j + 1`` remote calls for
 query group ``j`` (0-based). When every document has one shard here (``M = 1``: one local
@@ -41,7 +41,7 @@ import numpy as np
 from worker_runtime.layout import CommMap, RankLayout, expand_ranges
 
 
-class SegmentCall(NamedTuple):
+class PieceCall(NamedTuple):
     """One varlen kernel call: a contiguous slice of query rows against a contiguous slice
     of one buffer's keys."""
 
@@ -77,7 +77,7 @@ class SegmentPlan(NamedTuple):
     """Query group / piece ``j`` is local-buffer rows ``[group_bounds[j], group_bounds[j + 1])``."""
     remote_order: np.ndarray
     """``[R]`` index into ``CommMap.remote_*`` of every remote-buffer row."""
-    calls: tuple[SegmentCall, ...]
+    calls: tuple[PieceCall, ...]
     """Local calls first (per group: ``A(j, j)``, then ``A(j, i < j)``), then remote calls."""
     docs: np.ndarray
     """The rank's documents in buffer order."""
@@ -94,7 +94,7 @@ def _cumsum0(x: np.ndarray) -> np.ndarray:
 def build_segment_plan(layout: RankLayout, comm: CommMap | None) -> SegmentPlan:
     """Buffers and calls of ``layout``'s rank for the distinct remote KV of ``comm``;
     ``comm=None``: the local buffer and the local calls alone (no remote buffer, no remote
-    calls; the segment ring, ``segring.py``, reads remote keys from the ring's blocks).
+    calls; the segment ring, ``segment_ring.py``, reads remote keys from the ring's blocks).
 
     O(S log S + M S) numpy for S shards on the rank and M the most shards of one document
     here; nothing loops over tokens.
@@ -139,7 +139,7 @@ def build_segment_plan(layout: RankLayout, comm: CommMap | None) -> SegmentPlan:
     in_place = bool(np.array_equal(local_rows, np.arange(len(local_rows))))
     group_bounds = _cumsum0(len_tab.sum(axis=1))
     local_calls = [
-        SegmentCall(False, i == j, j, i, int(group_bounds[j]), int(group_bounds[j + 1]),
+        PieceCall(False, i == j, j, i, int(group_bounds[j]), int(group_bounds[j + 1]),
                     int(group_bounds[i]), int(group_bounds[i]) + int(len_tab[i, : docs_with[j]].sum()),
                     _cumsum0(len_tab[j, : docs_with[j]]).astype(np.int32),
                     _cumsum0(len_tab[i, : docs_with[j]]).astype(np.int32), empty)
@@ -160,7 +160,7 @@ def build_segment_plan(layout: RankLayout, comm: CommMap | None) -> SegmentPlan:
     assert len(remote_order) == len(comm.remote_index), "the gaps are the distinct remote KV"
     remote_bounds = _cumsum0(gap_tab.sum(axis=1))
 
-    remote_calls: list[SegmentCall] = []
+    remote_calls: list[PieceCall] = []
     for j in range(num_pieces):
         n = int(docs_with[j])
         cu_q = _cumsum0(len_tab[j, :n])
@@ -176,7 +176,7 @@ def build_segment_plan(layout: RankLayout, comm: CommMap | None) -> SegmentPlan:
             seg_k = cu_g[t0 : t1 + 1] - cu_g[t0]
             hollow = np.flatnonzero(gaps[t0:t1] == 0)
             k_lo = int(remote_bounds[i] + cu_g[t0])
-            remote_calls.append(SegmentCall(
+            remote_calls.append(PieceCall(
                 True, False, j, i, q_lo + int(cu_q[t0]), q_lo + int(cu_q[t1]), k_lo,
                 k_lo + int(seg_k[-1]), seg_q.astype(np.int32), seg_k.astype(np.int32),
                 expand_ranges(seg_q[hollow], np.diff(seg_q)[hollow])))

@@ -1,7 +1,7 @@
 """Segment kernels: one varlen attention call that returns its log-sum-exp, and that call's
 backward given the output and log-sum-exp of the whole attention (all parts merged).
 
-The flash path (``segattention.py``) splits a rank's attention into several such calls
+The segments path (``segments.py``) and the segment ring split a rank's attention into several such calls
 and merges them by log-sum-exp; these are the two kernels it can run:
 
 - ``ReferenceSegments``: exact PyTorch (``kernels.attention_forward`` /

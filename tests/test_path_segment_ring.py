@@ -15,22 +15,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_runtime_dist import (
+from runtime_cases import (
     KV_ROW_ELEMS,
     MODEL,
-    max_abs,
-    reference_case,
-    run_against_reference,
-    solve_any,
-)
-from test_runtime_kernels import bf16_against_reference
-from test_runtime_segments import (
+    bf16_against_reference,
     covered_pairs,
     flash_standin,
     flash_standin_backward,
     install_flash,
+    max_abs,
     needs_flash,
     random_plan,
+    reference_case,
+    run_against_reference,
+    solve_any,
 )
 from timing import scaled
 
@@ -47,9 +45,9 @@ from worker_runtime import (
     planned_kv_tokens_peak,
     planned_recv_tokens,
 )
-from worker_runtime.ring import slot_rows
-from worker_runtime.segkernels import ReferenceSegments, flash_segments, probe
-from worker_runtime.segring import build_segment_ring_plan, query_groups
+from worker_runtime.paths.ring_steps import slot_rows
+from worker_runtime.paths.segment_kernels import ReferenceSegments, flash_segments, probe
+from worker_runtime.paths.segment_ring import build_segment_ring_plan, query_groups
 from worker_runtime.simulate import simulate_segment_ring
 from worker_runtime.testing import run_distributed
 

@@ -1,14 +1,14 @@
-"""The segment ring: ``p2p_ring`` plans on the flash path, the ring's N - 1 point-to-point
-steps with every step's attention as varlen segment calls (any segment kernel,
-``segkernels.py``).
+"""The segment ring (``ExecutionPath.SEGMENT_RING``): ``p2p_ring`` plans on segment
+kernels, the ring's N - 1 point-to-point steps with every step's attention as varlen
+segment calls (any segment kernel, ``segment_kernels.py``).
 
-Blocks and steps are ``ring.py``'s (the same step loops, ``ring.ring_forward`` and
-``ring.ring_backward``): a block is a slot's whole local K/V, ``T`` rows in plan order,
+Blocks and steps are the ring's (the same step loops, ``ring_steps.ring_forward`` and
+``ring_steps.ring_backward``): a block is a slot's whole local K/V, ``T`` rows in plan order,
 padding at the end; at step s (1 <= s <= N - 1) the rank holds the block of slot ``i - s``.
 
 Decomposition (numpy, built once per plan; the step-time model prices the same calls):
 
-- step 0: the local buffer, query groups and local calls ``A(j, i)`` of ``segments.py``
+- step 0: the local buffer, query groups and local calls ``A(j, i)`` of ``pieces.py``
   (own keys), run while the first transfer is in flight;
 - step s: plans keep each rank's shards sorted by (doc, start), so a block's real rows are
   sorted by (doc, position) and one document's tokens form one contiguous *run* of the
@@ -20,20 +20,20 @@ Decomposition (numpy, built once per plan; the step-time model prices the same c
   block's runs do. One full (non-causal) call per (j, class) where some document sees a
   key: the class's documents from the first to the last that see one. Document b's key
   segment is the first ``seen_b`` rows of its run; a document inside the call that sees
-  none is *hollow* (key length 0, its rows masked as in ``segments.py``); where a key
+  none is *hollow* (key length 0, its rows masked as in ``pieces.py``); where a key
   segment does not start where the previous one ended, a *zero-query* segment (``cu_q``
   repeats) takes the rows in between. So a call reads block rows ``[k_lo, k_hi)`` in
   place: the received block is never copied. Calls of a step: j ascending, then class
   order.
 
-Forward: the local calls give the out/lse accumulators (as ``segattention``), each step's
+Forward: the local calls give the out/lse accumulators (as the segments path), each step's
 calls merge into them by log-sum-exp (hollow rows masked). Backward re-circulates the
-blocks as ``ring.py`` does: per step the calls' backward adds dQ into the dQ accumulator
+blocks as the ring does: per step the calls' backward adds dQ into the dQ accumulator
 and dK/dV of block rows ``[k_lo, k_hi)`` (zero-query rows get 0) into a ``T``-row dK/dV
 accumulator that travels with the block; the previous step's accumulator is waited for
 after this step's kernels. Bytes per step, the counter's history and ``kv_tokens_peak``
 (own + T x (2 if s < N - 1 else 1)) are the ring's; nothing remote is kept between passes.
-Copies: the local buffer only, as in ``segattention`` (one ``index_select`` of q, k, v
+Copies: the local buffer only, as on the segments path (one ``index_select`` of q, k, v
 when some document has several shards here).
 
 Calls per pass: ``M (M + 1) / 2`` local and at most ``(N - 1) sum_j C_j`` ring calls, with
@@ -49,8 +49,8 @@ import numpy as np
 import torch
 
 from worker_runtime.layout import RankLayout, expand_ranges
-from worker_runtime.ring import Block, RingLink, ring_backward, ring_forward, slot_rows
-from worker_runtime.segattention import (
+from worker_runtime.paths.base import PathContext, PlannedCall, PlannedTransfer
+from worker_runtime.paths.piece_calls import (
     Part,
     SegmentState,
     backward_calls,
@@ -62,8 +62,16 @@ from worker_runtime.segattention import (
     from_buffer,
     to_buffer,
 )
-from worker_runtime.segkernels import SegmentKernel
-from worker_runtime.segments import SegmentCall, SegmentPlan, build_segment_plan
+from worker_runtime.paths.pieces import PieceCall, SegmentPlan, build_segment_plan
+from worker_runtime.paths.ring_steps import (
+    Block,
+    RingLink,
+    ring_backward,
+    ring_forward,
+    ring_link,
+    slot_rows,
+)
+from worker_runtime.paths.segment_kernels import SegmentKernel
 from worker_runtime.sinks import merge_sink_, row_delta, sink_grad
 
 
@@ -86,7 +94,7 @@ class SegmentRingPlan(NamedTuple):
 
     local: SegmentPlan
     """Local buffer, query groups and local calls (``build_segment_plan(layout, None)``)."""
-    steps: tuple[tuple[SegmentCall, ...], ...]
+    steps: tuple[tuple[PieceCall, ...], ...]
     """Step s (1 .. N - 1) at index s - 1: the calls on the block of slot ``slot - s``
     (``remote=True``, ``causal=False``, ``piece``: the class index within the group; keys
     are block rows)."""
@@ -114,7 +122,7 @@ def query_groups(layout: RankLayout, local: SegmentPlan) -> list[QueryGroup]:
 
 
 def step_calls(groups: list[QueryGroup], key_doc: np.ndarray, key_pos: np.ndarray,
-               stride: int) -> tuple[SegmentCall, ...]:
+               stride: int) -> tuple[PieceCall, ...]:
     """The calls of one ring step on a block with rows ``(key_doc, key_pos)`` (real rows
     sorted by (doc, position), then padding with doc -1); ``stride`` exceeds every
     position. O(T + M D log T) numpy, one Python iteration per (group, class)."""
@@ -136,7 +144,7 @@ def step_calls(groups: list[QueryGroup], key_doc: np.ndarray, key_pos: np.ndarra
 
 
 def _call(j: int, c: int, g: QueryGroup, first: int, last: int, run: np.ndarray,
-          seen: np.ndarray) -> SegmentCall:
+          seen: np.ndarray) -> PieceCall:
     """Documents ``[first, last)`` of group ``g`` against their seen rows of the block:
     hollow segments for documents that see none, zero-query segments over the holes."""
     lq = np.diff(g.cu_q)[first:last]
@@ -154,7 +162,7 @@ def _call(j: int, c: int, g: QueryGroup, first: int, last: int, run: np.ndarray,
     hollow = np.flatnonzero(sn == 0)
     k_lo = int(ks[0])
     assert k_lo + int(cu_k[-1]) == int(ks[used[-1]] + sn[used[-1]])
-    return SegmentCall(True, False, j, c, g.q_lo + int(g.cu_q[first]), g.q_lo + int(g.cu_q[last]),
+    return PieceCall(True, False, j, c, g.q_lo + int(g.cu_q[first]), g.q_lo + int(g.cu_q[last]),
                        k_lo, k_lo + int(cu_k[-1]), cu_q.astype(np.int32), cu_k.astype(np.int32),
                        expand_ranges(row[hollow], lq[hollow]))
 
@@ -162,7 +170,7 @@ def _call(j: int, c: int, g: QueryGroup, first: int, last: int, run: np.ndarray,
 def build_segment_ring_plan(layout: RankLayout) -> SegmentRingPlan:
     """The local calls and every step's calls of ``layout``'s rank.
 
-    O(S log S + M S) for the local calls (``segments.py``), then per step O(T + M D log T)
+    O(S log S + M S) for the local calls (``pieces.py``), then per step O(T + M D log T)
     numpy and one Python iteration per (group, class): O(N (T + M D log T)) in all, for S
     shards, M groups, D documents on the rank, T rows per rank and N ranks.
     """
@@ -186,6 +194,8 @@ class SegmentRingState(NamedTuple):
     """Per step s at index s - 1: its calls with their metadata."""
     num_ranks: int
     link: RingLink
+    block_rows: int = 0
+    """``T``: rows of every block (a slot's whole local buffer)."""
 
 
 def build_segment_ring_state(layout: RankLayout, kernel: SegmentKernel, link: RingLink,
@@ -194,7 +204,7 @@ def build_segment_ring_state(layout: RankLayout, kernel: SegmentKernel, link: Ri
     plan = build_segment_ring_plan(layout)
     segments = build_segment_state(layout, None, kernel, device, plan=plan.local)
     steps = tuple(call_parts(kernel, calls, device) for calls in plan.steps)
-    return SegmentRingState(segments, steps, layout.num_ranks, link)
+    return SegmentRingState(segments, steps, layout.num_ranks, link, layout.num_tokens)
 
 
 class SegmentRingAttention(torch.autograd.Function):
@@ -298,3 +308,34 @@ class LocalSegmentRingAttention(torch.autograd.Function):
                            scale, dq, dk[s], dv[s])
         return (from_buffer(dq, seg, t, q_loc.dtype), dk.to(k_blocks.dtype), dv.to(v_blocks.dtype),
                 None, None)
+
+
+def build(ctx: PathContext) -> SegmentRingState:
+    assert ctx.kernel is not None, "the segment ring runs a segment kernel"
+    link = ring_link(ctx.layout, ctx.group, ctx.order, ctx.counter)
+    return build_segment_ring_state(ctx.layout, ctx.kernel, link, ctx.device)
+
+
+def run(state: SegmentRingState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        overlap: bool, sink: torch.Tensor | None) -> torch.Tensor:
+    return SegmentRingAttention.apply(q, k, v, state, scale, overlap, sink)  # type: ignore[no-any-return]
+
+
+def planned_calls(state: SegmentRingState) -> tuple[PlannedCall, ...]:
+    """The local calls on the local buffer, then every step's calls on its ``T``-row block."""
+    seg = state.segments
+    local = [PlannedCall("segment", meta, "local", c.q_lo, c.q_hi, c.k_lo, c.k_hi)
+             for c, meta in zip(seg.plan.calls, seg.metas, strict=True)]
+    ring = [PlannedCall("segment", meta, "block", c.q_lo, c.q_hi, c.k_lo, c.k_hi)
+            for parts in state.steps for c, meta, _ in parts]
+    return tuple(local + ring)
+
+
+def buffers(state: SegmentRingState) -> dict[str, int]:
+    r = state.segments.num_real
+    return {"queries": r, "local": r, "block": state.block_rows}
+
+
+def planned_transfers(state: SegmentRingState) -> tuple[PlannedTransfer, ...]:
+    """3 shifts per step of a ``T``-row block: forward K/V, backward K/V and dK/dV."""
+    return (PlannedTransfer("shift", state.block_rows, 3 * (state.num_ranks - 1)),)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
-import types
 import warnings
 
 import numpy as np
@@ -18,37 +16,41 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_runtime_dist import (
+from runtime_cases import (
     KV_ROW_ELEMS,
     MULTI_GROUPS,
+    bf16_against_reference,
+    covered_pairs,
+    flash_standin,
+    flash_standin_backward,
+    install_flash,
     max_abs,
     multi_group_plan,
+    needs_flash,
     random_doc_lengths,
+    random_plan,
     reference_case,
     run_against_reference,
     solve_any,
 )
-from test_runtime_kernels import bf16_against_reference
 from timing import scaled
 
-from planner_service.core.build import GroupLayout, Layout, build_plan
 from planner_service.core.model import ModelSpec
-from planner_service.core.plan import Plan, Shard
+from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
-from planner_service.core.validate import validate_plan
 from planner_service.solvers.registry import solve, strategy_names
 from worker_runtime import (
     GATHER_MODES,
     ContextParallelAttention,
     build_comm_map,
     build_layout,
-    flash_attn_available,
     planned_kv_tokens_peak,
     planned_recv_tokens,
     reference_attention,
-    segkernels,
 )
-from worker_runtime.segkernels import (
+from worker_runtime.paths import segment_kernels as segkernels
+from worker_runtime.paths.pieces import build_segment_plan
+from worker_runtime.paths.segment_kernels import (
     FlashApiError,
     ReferenceSegments,
     check_params,
@@ -56,66 +58,15 @@ from worker_runtime.segkernels import (
     load_flash_api,
     probe,
 )
-from worker_runtime.segments import SegmentPlan, build_segment_plan
 from worker_runtime.simulate import simulate_segments
 from worker_runtime.testing import run_distributed
 
 MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype_bytes=8)
 TOL = 1e-10
 TE_BF16_TOL = 2.5e-2
-needs_flash = pytest.mark.skipif(
-    not (torch.cuda.is_available() and flash_attn_available(torch.device("cuda"))),
-    reason="needs CUDA and flash-attn",
-)
 
 
 # -- the decomposition ---------------------------------------------------------------------
-
-
-def random_plan(seed: int, cp_size: int) -> Plan:
-    """Docs cut at random points, every piece on a random rank: several shards of one doc
-    per rank, in any position order, ranks with nothing."""
-    rng = np.random.default_rng(seed)
-    lengths = [int(x) for x in rng.integers(1, 25, size=int(rng.integers(1, 7)))]
-    shards: list[list[Shard]] = [[] for _ in range(cp_size)]
-    for d, n in enumerate(lengths):
-        cuts = sorted(set(rng.integers(1, n, size=int(rng.integers(0, 6))).tolist())) if n > 1 else []
-        bounds = [0, *cuts, n]
-        for a, b in zip(bounds, bounds[1:], strict=False):
-            shards[int(rng.integers(cp_size))].append(Shard(d, a, b))
-    plan = build_plan(
-        Layout([GroupLayout(tuple(range(cp_size)), shards)], {}), strategy="random_test",
-        cp_size=cp_size, doc_lengths=lengths, context_length=None, comm_mode="alltoallv",
-        model=MODEL, kernel="h100-fa3", link="nvlink")
-    validate_plan(plan)
-    return plan
-
-
-def covered_pairs(layout, comm, seg: SegmentPlan) -> list[tuple[int, int, int]]:
-    """Every (doc, query position, key position) the calls compute, once per computation."""
-    r = layout.num_real
-    q_doc = layout.doc_ids[:r][seg.local_rows]
-    q_pos = layout.positions[:r][seg.local_rows]
-    k_doc = {False: q_doc, True: comm.remote_doc[seg.remote_order]}
-    k_pos = {False: q_pos, True: comm.remote_pos[seg.remote_order]}
-    pairs = []
-    for c in seg.calls:
-        for b in range(len(c.cu_q) - 1):
-            qs = range(c.q_lo + int(c.cu_q[b]), c.q_lo + int(c.cu_q[b + 1]))
-            ks = range(c.k_lo + int(c.cu_k[b]), c.k_lo + int(c.cu_k[b + 1]))
-            assert len(qs) > 0, "no empty query segment"
-            if c.causal:
-                assert len(qs) == len(ks), "a causal call is a square block per segment"
-            for a, qrow in enumerate(qs):
-                for kk, krow in enumerate(ks):
-                    if c.causal and kk > len(ks) - len(qs) + a:
-                        continue
-                    assert k_doc[c.remote][krow] == q_doc[qrow], "a segment pairs one doc"
-                    pairs.append((int(q_doc[qrow]), int(q_pos[qrow]), int(k_pos[c.remote][krow])))
-        hollow = [b for b in range(len(c.cu_k) - 1) if c.cu_k[b] == c.cu_k[b + 1]]
-        want = [x for b in hollow for x in range(int(c.cu_q[b]), int(c.cu_q[b + 1]))]
-        assert c.empty.tolist() == want
-    return pairs
 
 
 @settings(max_examples=60, deadline=None)
@@ -214,58 +165,6 @@ def test_simulated_segments_equal_reference_for_whole_plans(lengths, cp_size, st
 
 
 # -- flash-attn's adapter on CPU (a stand-in API) and the fallback ----------------------------
-
-
-def _standin_window(left: int, right: int) -> int | None:
-    """flash-attn's ``(window_size_left, window_size_right)`` as the reference's window."""
-    assert (left, right) == (-1, -1) or (left >= 0 and right == 0), (left, right)
-    return None if left == -1 else left + 1
-
-
-def flash_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                  softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-                  alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
-                  seqused_k=None, zero_tensors=False):
-    """flash-attn 2.8.3's ``_flash_attn_varlen_forward`` contract on any device: out in q's
-    dtype, lse ``[H, total_q]`` float32, a query without keys gets out 0 and lse +inf; a
-    causal call's window ``(W - 1, 0)``."""
-    assert dropout_p == 0.0 and not return_softmax
-    ref = ReferenceSegments()
-    cu_q, cu_k = cu_seqlens_q.cpu().numpy(), cu_seqlens_k.cpu().numpy()
-    assert max_seqlen_q == np.diff(cu_q).max() and max_seqlen_k == np.diff(cu_k).max()
-    meta = ref.meta(cu_q, cu_k, causal, q.device, window=_standin_window(window_size_left, window_size_right))
-    out, lse = ref.forward(q, k, v, meta, softmax_scale)
-    none = torch.from_numpy(np.repeat(np.diff(cu_k) == 0, np.diff(cu_q)))
-    out = out.masked_fill(none[:, None, None], 0.0)
-    return out.to(q.dtype), lse.float().masked_fill(none[None, :], math.inf), None, None
-
-
-def flash_standin_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                           max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                           window_size_left, window_size_right, softcap, alibi_slopes,
-                           deterministic, rng_state=None, zero_tensors=False):
-    """``_flash_attn_varlen_backward``'s contract: writes dq, dk, dv (q's dtype) in place."""
-    assert softmax_lse.is_contiguous() and softmax_lse.dtype == torch.float32
-    ref = ReferenceSegments()
-    meta = ref.meta(cu_seqlens_q.cpu().numpy(), cu_seqlens_k.cpu().numpy(), causal, q.device,
-                    window=_standin_window(window_size_left, window_size_right))
-    for dst, src in zip((dq, dk, dv), ref.backward(dout, q, k, v, out, softmax_lse, meta, softmax_scale),
-                        strict=True):
-        dst.copy_(src)
-    return torch.zeros(1)
-
-
-def install_flash(monkeypatch, forward, backward) -> None:
-    """Put a stand-in ``flash_attn.flash_attn_interface`` in place; fresh adapter cache."""
-    monkeypatch.setattr(segkernels, "_FLASH", {})
-    monkeypatch.setattr(segkernels, "_WARNED", [])
-    fake = types.ModuleType("flash_attn.flash_attn_interface")
-    fake._flash_attn_varlen_forward = forward
-    fake._flash_attn_varlen_backward = backward
-    package = types.ModuleType("flash_attn")
-    package.flash_attn_interface = fake
-    monkeypatch.setitem(sys.modules, "flash_attn", package)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fake)
 
 
 def test_flash_adapter_passes_the_probe_and_runs_plans_with_flash_conventions(monkeypatch) -> None:

@@ -1,4 +1,5 @@
-"""Lean, overlapped execution of the gather modes (full, compact all-gather, all-to-all-v).
+"""The lean path (``ExecutionPath.LEAN``): the gather modes (full, compact all-gather,
+all-to-all-v) on the PyTorch kernel, overlapped with the exchange.
 
 Forward, per call: start the K/V exchange (async), run attention of every local query
 against the keys this rank holds itself, wait for the exchange, keep one copy of the
@@ -29,8 +30,8 @@ K and V are exchanged as two collectives each way (no stacking copy). This path 
 exact torch kernel (``kernels.attention_forward``), whose mask takes any (doc, position)
 key set in one call. flash-attn's varlen format gives each query segment one contiguous
 key segment, so the flash kernel runs the same structure as several calls instead
-(``segments.py``: per query shard, its doc's local pieces and remote gaps; merged by
-log-sum-exp in ``segattention.py``).
+(``pieces.py``: per query shard, its doc's local pieces and remote gaps; merged by
+log-sum-exp in ``segments.py``).
 """
 
 from __future__ import annotations
@@ -49,25 +50,22 @@ from worker_runtime.kernels import (
     rows_in_window,
 )
 from worker_runtime.layout import CommMap, RankLayout
+from worker_runtime.paths.base import PathContext, PlannedCall, PlannedTransfer
+from worker_runtime.paths.merge import merge_rows_
+from worker_runtime.paths.rows import rows_seeing
 from worker_runtime.sinks import merge_sink_, sink_grad
+from worker_runtime.windows import window_exchanger
 
 
 def remote_query_rows(layout: RankLayout, comm: CommMap, window: int | None = None) -> np.ndarray:
     """Local rows (real tokens, ascending) whose query sees at least one remote key: the
     rows of a doc at or after the doc's first remote token (``window``: with a remote key
-    in the query's window). O(T + R log D)."""
+    in the query's window). O((T + R) log R)."""
     r = layout.num_real
     if window is not None:
         return rows_in_window(layout.doc_ids[:r], layout.positions[:r], comm.remote_doc,
                               comm.remote_pos, window)
-    if len(comm.remote_doc) == 0:
-        return np.zeros(0, dtype=np.int64)
-    docs, first = np.unique(comm.remote_doc, return_index=True)
-    first_pos = comm.remote_pos[first]
-    doc, pos = layout.doc_ids[:r], layout.positions[:r]
-    at = np.minimum(np.searchsorted(docs, doc), len(docs) - 1)
-    hit = (docs[at] == doc) & (first_pos[at] <= pos)
-    return np.flatnonzero(hit)
+    return rows_seeing(layout.doc_ids[:r], layout.positions[:r], comm.remote_doc, comm.remote_pos)
 
 
 def local_share(layout: RankLayout, comm: CommMap, window: int | None = None) -> tuple[int, int]:
@@ -91,8 +89,8 @@ class LeanState(NamedTuple):
     exchanger: Exchanger
 
 
-def build_state(layout: RankLayout, exchanger: Exchanger, device: torch.device,
-                window: int | None = None) -> LeanState:
+def build_lean_state(layout: RankLayout, exchanger: Exchanger, device: torch.device,
+                     window: int | None = None) -> LeanState:
     """The lean path's state for ``exchanger``'s comm map; ``window``: a sliding-window
     layer's masks (the remote part's queries are those with a remote key in their window)."""
     comm, r = exchanger.comm, layout.num_real
@@ -112,16 +110,6 @@ def build_state(layout: RankLayout, exchanger: Exchanger, device: torch.device,
         recv_index=tensor(comm.remote_index),
         exchanger=exchanger,
     )
-
-
-def merge_parts(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, out2: torch.Tensor,
-           lse2: torch.Tensor) -> None:
-    """Merge a second part (``out2``, ``lse2`` of ``rows``) into ``out``, ``lse`` in place."""
-    lse1 = lse.index_select(0, rows)
-    merged = torch.logaddexp(lse1, lse2)
-    part = out.index_select(0, rows) * torch.exp(lse1 - merged)[..., None]
-    out.index_copy_(0, rows, part + out2 * torch.exp(lse2 - merged)[..., None])
-    lse.index_copy_(0, rows, merged)
 
 
 class LeanAttention(torch.autograd.Function):
@@ -148,7 +136,7 @@ class LeanAttention(torch.autograd.Function):
         if len(rows):
             out2, lse2 = attention_forward(q.index_select(0, rows), k_far, v_far,
                                            state.remote_meta, scale)
-            merge_parts(out, lse, rows, out2, lse2)
+            merge_rows_(out, lse, rows, out2, lse2)
         merge_sink_(out.view(r, h, d), lse.view(r, h), sink)
         result = torch.cat((out.view(r, h, d).to(q.dtype), q.new_zeros((t - r, h, d))))
         ctx.save_for_backward(q, k, v, k_far, v_far, result, lse, sink)
@@ -190,3 +178,35 @@ class LeanAttention(torch.autograd.Function):
         dq_full = torch.cat((dq.view(r, h, d).to(q.dtype), q.new_zeros((t - r, h, d))))
         d_sink = sink_grad(lse.view(r, h), delta.view(r, h), sink)
         return dq_full, dk, dv, None, None, None, d_sink
+
+
+def build(ctx: PathContext) -> LeanState:
+    """The lean path's state on ``ctx``'s device: the causal exchange, or a window's
+    (``windows.window_exchanger``)."""
+    ex = ctx.exchanger if ctx.window is None else window_exchanger(ctx)
+    assert ex is not None, "the lean path runs over an exchange"
+    return build_lean_state(ctx.layout, ex, ctx.device, ctx.window)
+
+
+def run(state: LeanState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        overlap: bool, sink: torch.Tensor | None) -> torch.Tensor:
+    return LeanAttention.apply(q, k, v, state, scale, overlap, sink)  # type: ignore[no-any-return]
+
+
+def planned_calls(state: LeanState) -> tuple[PlannedCall, ...]:
+    """The local call (own rows against own rows) and, where a query sees a remote key, the
+    remote call (those queries against the remote copy)."""
+    r, rows = state.num_real, len(state.query_rows)
+    calls = [PlannedCall("torch", state.local_meta, "local", 0, r, 0, r)]
+    if rows:
+        calls.append(PlannedCall("torch", state.remote_meta, "remote", 0, rows, 0, len(state.select)))
+    return tuple(calls)
+
+
+def buffers(state: LeanState) -> dict[str, int]:
+    return {"queries": state.num_real, "local": state.num_real, "remote": len(state.select)}
+
+
+def planned_transfers(state: LeanState) -> tuple[PlannedTransfer, ...]:
+    """The K/V collectives forward and the dK/dV ones backward (K and V apart)."""
+    return (PlannedTransfer("split", state.exchanger.comm.recv_rows, 1),)
