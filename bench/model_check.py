@@ -21,12 +21,11 @@
 2. Measure: one process group per N (gloo on loopback, 1 thread per rank; NCCL with one
    GPU per rank on CUDA). Per plan and rank, the median over ``--repeats`` of the
    runtime's forward+backward attention layer (``ContextParallelAttention`` call plus
-   backward), of its kernel calls alone (the path's calls on the rank's own metadata:
-   segments, every varlen call forward and backward; segment ring, the local calls and
-   every step's calls on a block of the rank's size; gathered, one varlen call; lean, the
-   local and remote calls; ring, the local call and one per step with queries) and of its
-   transfers alone (segments and lean: the K/V and dK/dV collectives; gathered: the
-   exchanger's blocking forward and backward; both rings: the 3 (N - 1) shifts), each
+   backward), of its kernel calls alone (every call the path lists for the rank,
+   ``worker_runtime.paths.PATHS[path].planned_calls``, forward and backward on random
+   buffers of the rank's sizes) and of its transfers alone (every transfer it lists,
+   ``planned_transfers``: the split K/V and dK/dV collectives of the lean and segments
+   paths, the gathered path's blocking stacked exchange, both rings' 3 (N - 1) shifts), each
    waited for; copies = layer - kernel - exchange. The repeats interleave the three
    (layer, kernel, exchange, layer, ...). On CPU the times are each rank's process CPU
    time (the ranks of a world meet at a barrier before each measured call): the machine
@@ -68,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from planner_service.core.model import ModelSpec
+from planner_service.core.paths import execution_path
 from planner_service.core.plan import Plan
 from planner_service.core.profile_fit import RECORDS_FORMAT, fit_step_profile, profile_document
 from planner_service.core.profiles import (
@@ -80,16 +80,13 @@ from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import plan_rank_terms
 from planner_service.data import make_source, pack_sequences
 from planner_service.solvers.registry import solve
-from worker_runtime import CommCounter, ContextParallelAttention, build_meta, varlen_attention
+from worker_runtime import CommCounter, ContextParallelAttention, varlen_attention
 from worker_runtime.aten_flash import choose_kernel
-from worker_runtime.comm import Exchanger
-from worker_runtime.kernels import VarlenMeta, attention_backward, attention_forward
-from worker_runtime.overlap import build_state
-from worker_runtime.ring import RingLink, build_ring_state, ring_link, shift
-from worker_runtime.segattention import build_segment_state
-from worker_runtime.segkernels import ReferenceSegments, SegmentKernel, SegmentMeta
-from worker_runtime.segments import SegmentCall
-from worker_runtime.segring import build_segment_ring_state
+from worker_runtime.kernels import attention_backward, attention_forward
+from worker_runtime.paths import PATHS, PlannedCall, RuntimePath, standalone_context
+from worker_runtime.paths.gathered import VARLEN_KERNEL
+from worker_runtime.paths.ring_steps import ring_link, shift
+from worker_runtime.paths.segment_kernels import ReferenceSegments, SegmentKernel
 from worker_runtime.testing import free_port, run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -183,18 +180,10 @@ def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: 
     path, segment_kernel = attn.execution_path(q)
     if lay.group_index < 0:
         kernel_call = exchange = _nothing
-    elif path == "segments":
-        assert segment_kernel is not None
-        kernel_call, exchange = _segments_parts(attn, model, device, dtype, rand, segment_kernel)
-    elif path == "segment_ring":
-        assert segment_kernel is not None
-        kernel_call, exchange = _segment_ring_parts(attn, model, device, dtype, rand, segment_kernel)
-    elif path == "gathered":
-        kernel_call, exchange = _gathered_parts(attn, model, device, dtype, rand, kernel)
-    elif path == "lean":
-        kernel_call, exchange = _lean_parts(attn, model, device, dtype, rand)
     else:
-        kernel_call, exchange = _ring_parts(attn, model, device, dtype, rand)
+        state = attn.path_state(path, device, segment_kernel)
+        kernel_call = planned_kernel_calls(PATHS[path], state, model, rand, segment_kernel)
+        exchange = planned_exchange(PATHS[path], state, attn, model, device, dtype, rand)
     timer = _timer(device)
     out: dict[str, Any] = {"path": path}
     # CPU: process CPU time (see the module docstring); CUDA: wall time after a synchronize.
@@ -217,178 +206,95 @@ def measure_plan(plan: Plan, rank: int, model: ModelSpec, repeats: int, device: 
     return out
 
 
-Parts = tuple[Callable[[], None], Callable[[], None]]
-
-
 def _nothing() -> None:
     """A rank in no group: no kernel call, no transfer."""
 
 
-def _all(calls: list[Callable[[], None]]) -> Callable[[], None]:
+def planned_kernel_calls(runtime: RuntimePath, state: Any, model: ModelSpec,
+                         rand: Callable[..., torch.Tensor],
+                         segment_kernel: SegmentKernel | None) -> Callable[[], None]:
+    """Every kernel call the path lists for ``state`` (``RuntimePath.planned_calls``),
+    forward and backward, on random queries and one random buffer per key buffer it names
+    (no merges, no copies)."""
+    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    sizes = runtime.buffers(state)
+    q, do = rand(sizes["queries"], h, d, grad=False), rand(sizes["queries"], h, d, grad=False)
+    keys = {name: (rand(n, g, d, grad=False), rand(n, g, d, grad=False))
+            for name, n in sizes.items() if name != "queries"}
+    runs = []
+    for c in runtime.planned_calls(state):
+        k, v = (x[c.k_lo : c.k_hi] for x in keys[c.buffer])
+        runs.append(_call(c, q[c.q_lo : c.q_hi], k, v, do[c.q_lo : c.q_hi], model, segment_kernel, rand))
+
     def run() -> None:
-        for call in calls:
+        for call in runs:
             call()
+
     return run
 
 
-def _gathered_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
-                    dtype: torch.dtype, rand: Callable[..., torch.Tensor], kernel: str) -> Parts:
-    """The gathered path: one varlen call on the rank's gathered keys; the exchanger's
-    blocking forward and backward."""
-    lay = attn.layout
-    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
-    keys = int(lay.cu_seqlens_k[-1])
-    meta = build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device)
-    kq, kk, kv_ = rand(lay.num_real, h, d), rand(keys, g, d), rand(keys, g, d)
-    kdout = rand(lay.num_real, h, d, grad=False)
-
-    def kernel_call() -> None:
-        if lay.num_real:
-            out = varlen_attention(kq, kk, kv_, meta, d**-0.5, kernel)
-            torch.autograd.grad(out, (kq, kk, kv_), kdout)
-
-    exchanger = attn.exchanger(device)
-    local = rand(lay.num_tokens, 2, g, d, grad=False)
-    recv_rows = exchanger.comm.recv_rows
-
-    def exchange() -> None:
-        recv = exchanger.forward(local)
-        exchanger.backward(torch.ones((recv_rows, 2, g, d), device=device, dtype=dtype),
-                           torch.zeros_like(local))
-        del recv
-
-    return kernel_call, exchange
-
-
-def _call(model: ModelSpec, meta: VarlenMeta, queries: int, keys: int,
+def _call(c: PlannedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+          model: ModelSpec, segment_kernel: SegmentKernel | None,
           rand: Callable[..., torch.Tensor]) -> Callable[[], None]:
-    """One forward + backward of the PyTorch kernel (no autograd), as the lean and ring paths
-    call it: ``queries`` rows against ``keys`` rows under ``meta``."""
+    """One planned call, forward + backward, as the path runs it."""
     h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
-    q, k, v = rand(queries, h, d, grad=False), rand(keys, g, d, grad=False), rand(keys, g, d, grad=False)
-    do = rand(queries, g, h // g, d, grad=False)
+    scale = d**-0.5
+    if c.kind == "segment":
+        assert segment_kernel is not None
 
-    def run() -> None:
-        _, lse = attention_forward(q, k, v, meta, d**-0.5)
-        attention_backward(do.to(lse.dtype), q, k, v, lse, torch.zeros_like(lse), meta, d**-0.5)
+        def segment() -> None:
+            out, lse = segment_kernel.forward(q, k, v, c.meta, scale)
+            segment_kernel.backward(do, q, k, v, out, lse, c.meta, scale)
 
-    return run
+        return segment
+    if c.kind == "varlen":
+        leaves = (rand(*q.shape), rand(*k.shape), rand(*v.shape))
+
+        def varlen() -> None:
+            out = varlen_attention(*leaves, c.meta, scale, VARLEN_KERNEL)
+            torch.autograd.grad(out, leaves, do)
+
+        return varlen
+    do_g = do.reshape(len(q), g, h // g, d)
+
+    def packed() -> None:
+        _, lse = attention_forward(q, k, v, c.meta, scale)
+        attention_backward(do_g.to(lse.dtype), q, k, v, lse, torch.zeros_like(lse), c.meta, scale)
+
+    return packed
 
 
-def _split_exchange(ex: Exchanger, model: ModelSpec, num_tokens: int, device: torch.device,
-                    dtype: torch.dtype, rand: Callable[..., torch.Tensor]) -> Callable[[], None]:
-    """The lean and segments paths' transfers: the K/V and the dK/dV collectives (two each
-    way), each waited for."""
+def planned_exchange(runtime: RuntimePath, state: Any, attn: ContextParallelAttention,
+                     model: ModelSpec, device: torch.device, dtype: torch.dtype,
+                     rand: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    """Every transfer the path lists for ``state`` (``RuntimePath.planned_transfers``),
+    each waited for: the split K/V and dK/dV collectives, the stacked blocking exchange, or
+    the ring's shifts of a ``T``-row block."""
     g, d = model.num_kv_heads, model.head_dim
-    kt, vt = rand(num_tokens, g, d, grad=False), rand(num_tokens, g, d, grad=False)
-    back = torch.zeros((ex.comm.recv_rows, g, d), device=device, dtype=dtype)
-
-    def exchange() -> None:
-        ex.start_forward(kt, vt).wait()
-        ex.start_backward(back, back).wait()
-
-    return exchange
-
-
-def _lean_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
-                dtype: torch.dtype, rand: Callable[..., torch.Tensor]) -> Parts:
-    """The lean path: the local and remote calls; the K/V and dK/dV collectives."""
     lay = attn.layout
     ex = attn.exchanger(device)
-    state = build_state(lay, ex, device)
-    calls = [_call(model, state.local_meta, lay.num_real, lay.num_real, rand)]
-    if len(state.query_rows):
-        calls.append(_call(model, state.remote_meta, len(state.query_rows), len(state.select), rand))
-    return _all(calls), _split_exchange(ex, model, lay.num_tokens, device, dtype, rand)
-
-
-Calls = list[tuple[SegmentCall, SegmentMeta]]
-
-
-def _run_calls(kernel: SegmentKernel, model: ModelSpec, queries: int,
-               rand: Callable[..., torch.Tensor],
-               batches: list[tuple[Calls, int]]) -> Callable[[], None]:
-    """Each call of every ``(calls, key rows)`` batch, forward and backward, on random
-    queries (``queries`` rows) and a random key buffer per batch (no merges, no copies)."""
-    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
-    q, do = rand(queries, h, d, grad=False), rand(queries, h, d, grad=False)
-    buffers = [(calls, rand(n, g, d, grad=False), rand(n, g, d, grad=False)) for calls, n in batches]
-
-    def run() -> None:
-        for calls, k, v in buffers:
-            for c, meta in calls:
-                qs, ks, vs = q[c.q_lo : c.q_hi], k[c.k_lo : c.k_hi], v[c.k_lo : c.k_hi]
-                out, lse = kernel.forward(qs, ks, vs, meta, d**-0.5)
-                kernel.backward(do[c.q_lo : c.q_hi], qs, ks, vs, out, lse, meta, d**-0.5)
-
-    return run
-
-
-def _segment_calls(lay: Any, comm: Any, kernel: SegmentKernel, model: ModelSpec,
-                   device: torch.device, rand: Callable[..., torch.Tensor],
-                   exchanger: Exchanger | None = None) -> Callable[[], None]:
-    """Every varlen call of the segments path (segments.py), forward and backward, on
-    random local and remote buffers of the rank's sizes (no merges, no copies)."""
-    state = build_segment_state(lay, comm, kernel, device, exchanger)
-    calls = list(zip(state.plan.calls, state.metas, strict=True))
-    return _run_calls(kernel, model, lay.num_real, rand, [
-        ([x for x in calls if not x[0].remote], lay.num_real),
-        ([x for x in calls if x[0].remote], len(state.select))])
-
-
-def _segment_ring_calls(lay: Any, kernel: SegmentKernel, model: ModelSpec, device: torch.device,
-                        rand: Callable[..., torch.Tensor]) -> Callable[[], None]:
-    """Every varlen call of the segment ring (segring.py), forward and backward: the local
-    calls on a random local buffer, every step's calls on a random block of ``T`` rows."""
-    state = build_segment_ring_state(lay, kernel, ring_link(lay, None, None, CommCounter()), device)
-    local = list(zip(state.segments.plan.calls, state.segments.metas, strict=True))
-    ring = [(c, meta) for parts in state.steps for c, meta, _ in parts]
-    return _run_calls(kernel, model, lay.num_real, rand, [(local, lay.num_real), (ring, lay.num_tokens)])
-
-
-def _segments_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
-                    dtype: torch.dtype, rand: Callable[..., torch.Tensor],
-                    kernel: SegmentKernel) -> Parts:
-    """The segments path: its varlen calls; the K/V and dK/dV collectives."""
-    ex = attn.exchanger(device)
-    calls = _segment_calls(attn.layout, attn.comm_map, kernel, model, device, rand, ex)
-    return calls, _split_exchange(ex, model, attn.layout.num_tokens, device, dtype, rand)
-
-
-def _ring_shifts(link: RingLink, model: ModelSpec, num_tokens: int, num_ranks: int,
-                 rand: Callable[..., torch.Tensor]) -> Callable[[], None]:
-    """Both rings' transfers: the 3 (N - 1) shifts (forward K/V, backward K/V and dK/dV)
-    of a ``T``-row block, each waited for."""
-    g, d = model.num_kv_heads, model.head_dim
-    block = (rand(num_tokens, g, d, grad=False), rand(num_tokens, g, d, grad=False))
-
-    def exchange() -> None:
-        for _ in range(3 * (num_ranks - 1)):
-            shift(link, block, "forward").wait()
-
-    return exchange
-
-
-def _segment_ring_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
-                        dtype: torch.dtype, rand: Callable[..., torch.Tensor],
-                        kernel: SegmentKernel) -> Parts:
-    """The segment ring: the local calls and every step's calls; the 3 (N - 1) shifts."""
-    lay = attn.layout
     link = ring_link(lay, attn.process_group, attn.order, CommCounter())
-    return (_segment_ring_calls(lay, kernel, model, device, rand),
-            _ring_shifts(link, model, lay.num_tokens, lay.num_ranks, rand))
+    runs: list[Callable[[], None]] = []
+    for t in runtime.planned_transfers(state):
+        kt, vt = rand(lay.num_tokens, g, d, grad=False), rand(lay.num_tokens, g, d, grad=False)
+        if t.kind == "split":
+            back = torch.zeros((t.rows, g, d), device=device, dtype=dtype)
+            runs += [lambda kt=kt, vt=vt, back=back: (ex.start_forward(kt, vt).wait(),
+                                                      ex.start_backward(back, back).wait())] * t.times
+        elif t.kind == "stacked":
+            local = torch.stack((kt, vt), dim=1)
+            ones = torch.ones((t.rows, 2, g, d), device=device, dtype=dtype)
+            runs += [lambda local=local, ones=ones: (ex.forward(local),
+                                                     ex.backward(ones, torch.zeros_like(local)))] * t.times
+        else:
+            block = (rand(t.rows, g, d, grad=False), rand(t.rows, g, d, grad=False))
+            runs += [lambda block=block: shift(link, block, "forward").wait()] * t.times
 
+    def exchange() -> None:
+        for run in runs:
+            run()
 
-def _ring_parts(attn: ContextParallelAttention, model: ModelSpec, device: torch.device,
-                dtype: torch.dtype, rand: Callable[..., torch.Tensor]) -> Parts:
-    """The ring: the local call and one per step with queries; the 3 (N - 1) shifts (forward
-    K/V, backward K/V and dK/dV), each waited for."""
-    lay = attn.layout
-    t = lay.num_tokens
-    state = build_ring_state(lay, attn.process_group, attn.order, CommCounter(), device)
-    calls = [_call(model, state.local_meta, lay.num_real, lay.num_real, rand)]
-    calls += [_call(model, step.meta, len(step.rows), t, rand) for step in state.steps if len(step.rows)]
-    return _all(calls), _ring_shifts(state.link, model, t, state.num_ranks, rand)
+    return exchange
 
 
 def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torch.device,
@@ -398,17 +304,19 @@ def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torc
     synchronize), ranks one after another: the kernel term where the plan has more ranks
     than there are GPUs, on the flash path the runtime would take (segments, or the segment
     ring for a ring plan, on the segment kernel ``aten_flash.choose_kernel`` picks: PyTorch's
-    own FlashAttention by default; gathered where none passes its probe).
+    own FlashAttention by default; gathered where none passes its probe), each call as the
+    path lists it (``RuntimePath.planned_calls``; ``kernel``, the runtime's kernel name, is
+    kept for the callers: the gathered call runs the path's own varlen kernel).
     Layer, copies and exchange are not measured (None)."""
-    from worker_runtime import build_comm_map, build_layout
+    from worker_runtime import build_layout
     from worker_runtime.profiler import median_ms
 
-    h, g, d = model.num_heads, model.num_kv_heads, model.head_dim
+    h, d = model.num_heads, model.head_dim
     probe = torch.empty((1, h, d), device=device, dtype=dtype)
     segment_kernel: SegmentKernel | None = (
         ReferenceSegments() if reference_segments else choose_kernel("auto", probe, "segments").segment_kernel)
-    ring = plan.comm_mode == "p2p_ring"
-    path = ("segment_ring" if ring else "segments") if segment_kernel is not None else "gathered"
+    tiling_path = "segments" if segment_kernel is not None else "gathered"
+    path = execution_path("segment", plan.comm_mode, tiling_path)
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape: int, grad: bool = True) -> torch.Tensor:
@@ -417,24 +325,12 @@ def measure_kernel_only(plan: Plan, model: ModelSpec, repeats: int, device: torc
     out: list[dict[str, Any]] = []
     for rank in range(plan.cp_size):
         lay = build_layout(plan, rank)
-        keys = int(lay.cu_seqlens_k[-1])
         ms = 0.0
-        if lay.num_real and segment_kernel is not None:
-            calls = (_segment_ring_calls(lay, segment_kernel, model, device, rand) if ring else
-                     _segment_calls(lay, build_comm_map(lay, plan.comm_mode), segment_kernel,
-                                    model, device, rand))
+        if lay.num_real:
+            ctx = standalone_context(lay, plan.comm_mode, device, segment_kernel)
+            state = PATHS[path].build(ctx)
+            calls = planned_kernel_calls(PATHS[path], state, model, rand, segment_kernel)
             ms = median_ms(calls, device, repeats=repeats)
-        elif lay.num_real:
-            meta = build_meta(lay.cu_seqlens_q, lay.cu_seqlens_k, device)
-            q = torch.randn((lay.num_real, h, d), device=device, dtype=dtype, requires_grad=True)
-            k = torch.randn((keys, g, d), device=device, dtype=dtype, requires_grad=True)
-            v = torch.randn((keys, g, d), device=device, dtype=dtype, requires_grad=True)
-            dout = torch.randn_like(q)
-
-            def call(q=q, k=k, v=v, meta=meta, dout=dout) -> None:
-                torch.autograd.grad(varlen_attention(q, k, v, meta, d**-0.5, kernel), (q, k, v), dout)
-
-            ms = median_ms(call, device, repeats=repeats)
         out.append({"path": path, "kernel_ms": ms, "kernel_wall_ms": ms, "layer_ms": None,
                     "exchange_ms": None, "layer_wall_ms": None, "exchange_wall_ms": None})
     return out

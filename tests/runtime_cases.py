@@ -26,17 +26,14 @@ from planner_service.core.validate import validate_plan
 from planner_service.solvers.flashcp import flashcp_shards
 from planner_service.solvers.registry import get_strategy, solve
 from worker_runtime import (
-    CommCounter,
     ContextParallelAttention,
-    build_comm_map,
     build_layout,
     flash_attn_available,
     planned_kv_tokens_peak,
     planned_recv_tokens,
     reference_attention,
 )
-from worker_runtime.comm import Exchanger
-from worker_runtime.paths import PATHS, PathContext, segment_kernels
+from worker_runtime.paths import PATHS, segment_kernels, standalone_context
 from worker_runtime.paths.pieces import SegmentPlan
 from worker_runtime.paths.segment_kernels import ReferenceSegments
 from worker_runtime.testing import run_distributed
@@ -324,14 +321,6 @@ def check_overlap_world(world_size: int, cases: list[tuple[str, bool]]) -> None:
 def rank_path_state(plan: Plan, rank: int, path: str, mode: str | None = None,
                     kernel: Any = None) -> Any:
     """``PATHS[path]``'s state of one rank of ``plan`` on the CPU, without a process group
-    (``mode``: the exchange, default the plan's; a ``p2p_ring`` plan's gather runs as
-    ``full``)."""
-    lay = build_layout(plan, rank)
-    mode = mode or plan.comm_mode
-    gather = "full" if mode == "p2p_ring" else mode
-    comm = build_comm_map(lay, gather)
-    counter = CommCounter()
-    cpu = torch.device("cpu")
-    exchanger = Exchanger.create(comm, None, 0, counter, cpu)
-    return PATHS[ExecutionPath(path)].build(
-        PathContext(lay, comm, gather, None, None, counter, cpu, exchanger, kernel))
+    (``mode``: the exchange, default the plan's)."""
+    ctx = standalone_context(build_layout(plan, rank), mode or plan.comm_mode, torch.device("cpu"), kernel)
+    return PATHS[ExecutionPath(path)].build(ctx)

@@ -20,7 +20,13 @@ from types import ModuleType
 
 from planner_service.core.paths import ExecutionPath
 from worker_runtime.paths import gathered, lean, ring, segment_ring, segments
-from worker_runtime.paths.base import PathContext, PlannedCall, PlannedTransfer, RuntimePath
+from worker_runtime.paths.base import (
+    PathContext,
+    PlannedCall,
+    PlannedTransfer,
+    RuntimePath,
+    standalone_context,
+)
 
 
 def _entry(name: ExecutionPath, module: ModuleType, windowed: ExecutionPath) -> RuntimePath:
@@ -37,4 +43,4 @@ PATHS: dict[ExecutionPath, RuntimePath] = {
 }
 """Every path's entry: ``PATHS[path].build(ctx)`` once, then ``.run(state, ...)`` per call."""
 
-__all__ = ["PATHS", "PathContext", "PlannedCall", "PlannedTransfer", "RuntimePath"]
+__all__ = ["PATHS", "PathContext", "PlannedCall", "PlannedTransfer", "RuntimePath", "standalone_context"]

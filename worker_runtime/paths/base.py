@@ -18,7 +18,7 @@ import torch
 
 from planner_service.core.paths import ExecutionPath
 from worker_runtime.comm import CommCounter, Exchanger
-from worker_runtime.layout import CommMap, RankLayout
+from worker_runtime.layout import CommMap, RankLayout, build_comm_map
 from worker_runtime.paths.segment_kernels import SegmentKernel
 
 
@@ -51,6 +51,18 @@ class PathContext(NamedTuple):
         if key not in self.shared:
             self.shared[key] = build()
         return self.shared[key]
+
+
+def standalone_context(layout: RankLayout, comm_mode: str, device: torch.device,
+                       kernel: SegmentKernel | None = None) -> PathContext:
+    """``layout``'s rank on ``device`` without a process group, for harnesses that build a
+    path's state to list or time its calls (nothing may be exchanged over it); a
+    ``p2p_ring`` plan's gather runs as ``full``."""
+    gather = "full" if comm_mode == "p2p_ring" else comm_mode
+    comm = build_comm_map(layout, gather)
+    counter = CommCounter()
+    return PathContext(layout, comm, gather, None, None, counter, device,
+                       Exchanger.create(comm, None, 0, counter, device), kernel)
 
 
 class PlannedCall(NamedTuple):
