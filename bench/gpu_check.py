@@ -50,13 +50,13 @@ from planner_service.core.model import ModelSpec
 from planner_service.data import make_source
 from worker_runtime.aten_flash import aten_segments, flash_impl, load_aten_ops
 from worker_runtime.kernels import flash_attn_available
-from worker_runtime.profiler import device_name
 from worker_runtime.paths.segment_kernels import (
     FlashApiError,
     ReferenceSegments,
     SegmentKernel,
     flash_segments,
 )
+from worker_runtime.profiler import device_name
 
 SMOKE_SCALE = 256
 TOL = 2.5e-2

@@ -26,6 +26,11 @@ from planner_service.solvers.registry import solve
 from worker_runtime.comm import CommCounter
 from worker_runtime.dispatch import dispatch
 from worker_runtime.layout import RankLayout, build_comm_map, build_layout, expand_ranges
+from worker_runtime.paths.piece_calls import build_segment_state
+from worker_runtime.paths.ring_steps import ring_link
+from worker_runtime.paths.segment_kernels import SegmentKernel, SegmentVarlen
+from worker_runtime.paths.segment_ring import LocalSegmentRingAttention, build_segment_ring_state
+from worker_runtime.paths.segments import LocalSegmentAttention
 from worker_runtime.profiler import (
     AttentionRecord,
     device_name,
@@ -34,11 +39,6 @@ from worker_runtime.profiler import (
     write_timings,
 )
 from worker_runtime.reference import reference_attention
-from worker_runtime.paths.ring_steps import ring_link
-from worker_runtime.paths.piece_calls import build_segment_state
-from worker_runtime.paths.segments import LocalSegmentAttention
-from worker_runtime.paths.segment_kernels import SegmentKernel, SegmentVarlen
-from worker_runtime.paths.segment_ring import LocalSegmentRingAttention, build_segment_ring_state
 from worker_runtime.simulate import simulate_plan, simulate_segment_ring, simulate_segments
 
 PATHS = ("segments", "segment_ring", "gathered")

@@ -270,7 +270,7 @@ def execution_main(args: argparse.Namespace) -> None:
         "",
         "Per-shard gather: the keys a runtime that gathers per shard holds (every shard's prefix [0, end) of its",
         "doc, kept for backward). kv_tokens_peak: the plan's figure, which the lean runtime's",
-        "counter equals (tests/test_runtime_overlap.py): per doc, one copy of the prefix up to the",
+        "counter equals (tests/test_path_lean.py): per doc, one copy of the prefix up to the",
         "rank's last shard end. Mean and max over sequences of the max over ranks. Local query",
         "share: queries whose keys are all on their own rank (they finish before any remote KV",
         "arrives: what overlap can hide), per rank, mean and min over ranks and sequences.",

@@ -238,7 +238,7 @@ def test_rejects_unknown_flash_path_and_bad_signatures() -> None:
 
 STRATEGIES = ("flashcp", "per_doc", "zigzag", "llama3")
 CASES = [(mode, overlap) for mode in GATHER_MODES for overlap in (True, False)] + [("p2p_ring", True)]
-"""(comm mode, overlap); a ring plan runs as the segment ring (test_runtime_segring.py)."""
+"""(comm mode, overlap); a ring plan runs as the segment ring (test_path_segment_ring.py)."""
 
 
 def plans_for(world_size: int) -> list[Plan]:
