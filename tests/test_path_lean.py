@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from runtime_cases import check_overlap_world, overlap_plans
+from runtime_cases import check_overlap_world, overlap_plans, rank_path_state
 
 from worker_runtime import (
     GATHER_MODES,
@@ -19,6 +19,7 @@ from worker_runtime import (
     build_layout,
     planned_kv_tokens_peak,
 )
+from worker_runtime.paths import PATHS
 from worker_runtime.paths.lean import local_share
 
 pytestmark = pytest.mark.slow  # long: starts first under xdist (tests/conftest.py)
@@ -54,3 +55,24 @@ def test_kv_peak_is_the_distinct_kv_and_local_share_matches_brute_force() -> Non
                         assert local_share(lay, comm) == (local, lay.num_real)
                         assert len(comm.remote_index) == peak - lay.num_real
                         assert np.all(np.diff(comm.remote_doc * 10**6 + comm.remote_pos) > 0)
+
+
+def test_planned_calls_are_the_local_and_remote_parts() -> None:
+    """The local call (own rows against own rows), the remote call where a query sees a
+    remote key (those queries against the distinct remote KV), the split exchange."""
+    for plan in overlap_plans(5):
+        for rank in range(plan.cp_size):
+            lay = build_layout(plan, rank)
+            if lay.group_index < 0:
+                continue
+            for mode in GATHER_MODES:
+                comm = build_comm_map(lay, mode)
+                state = rank_path_state(plan, rank, "lean", mode)
+                r = lay.num_real
+                local, real = local_share(lay, comm)
+                want = [("local", 0, r, 0, r)]
+                if real - local:
+                    want.append(("remote", 0, real - local, 0, len(comm.remote_index)))
+                assert [c[2:] for c in PATHS["lean"].planned_calls(state)] == want
+                transfers = PATHS["lean"].planned_transfers(state)
+                assert [tuple(t) for t in transfers] == [("split", comm.recv_rows, 1)]

@@ -26,6 +26,7 @@ from runtime_cases import (
     max_abs,
     needs_flash,
     random_plan,
+    rank_path_state,
     reference_case,
     run_against_reference,
     solve_any,
@@ -45,6 +46,7 @@ from worker_runtime import (
     planned_kv_tokens_peak,
     planned_recv_tokens,
 )
+from worker_runtime.paths import PATHS
 from worker_runtime.paths.ring_steps import slot_rows
 from worker_runtime.paths.segment_kernels import ReferenceSegments, flash_segments, probe
 from worker_runtime.paths.segment_ring import build_segment_ring_plan, query_groups
@@ -293,3 +295,20 @@ def test_segment_ring_with_flash_matches_reference_in_bf16(strategy: str) -> Non
     assert kern is not None
     bf16_against_reference(strategy, lambda plan, *qkv: simulate_segment_ring(plan, *qkv, kern),
                            f"{strategy} segment ring")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_planned_calls_are_the_local_and_step_calls(seed: int) -> None:
+    """The path lists the local piece calls on the local buffer, then every step's calls on
+    its ``T``-row block, and 3 shifts of a block per step."""
+    plan = random_plan(seed, 4)
+    for rank in range(plan.cp_size):
+        lay = build_layout(plan, rank)
+        ring_plan = build_segment_ring_plan(lay)
+        state = rank_path_state(plan, rank, "segment_ring", "p2p_ring", ReferenceSegments())
+        want = [("local", c.q_lo, c.q_hi, c.k_lo, c.k_hi) for c in ring_plan.local.calls]
+        want += [("block", c.q_lo, c.q_hi, c.k_lo, c.k_hi) for step in ring_plan.steps for c in step]
+        assert [c[2:] for c in PATHS["segment_ring"].planned_calls(state)] == want
+        assert PATHS["segment_ring"].buffers(state)["block"] == lay.num_tokens
+        transfers = PATHS["segment_ring"].planned_transfers(state)
+        assert [tuple(t) for t in transfers] == [("shift", lay.num_tokens, 3 * (lay.num_ranks - 1))]

@@ -29,6 +29,7 @@ from runtime_cases import (
     needs_flash,
     random_doc_lengths,
     random_plan,
+    rank_path_state,
     reference_case,
     run_against_reference,
     solve_any,
@@ -48,6 +49,7 @@ from worker_runtime import (
     planned_recv_tokens,
     reference_attention,
 )
+from worker_runtime.paths import PATHS
 from worker_runtime.paths import segment_kernels as segkernels
 from worker_runtime.paths.pieces import build_segment_plan
 from worker_runtime.paths.segment_kernels import (
@@ -336,3 +338,22 @@ def test_segments_path_with_flash_matches_reference_in_bf16(strategy: str) -> No
     assert kern is not None
     bf16_against_reference(strategy, lambda plan, *qkv: simulate_segments(plan, *qkv, kern),
                            strategy)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_planned_calls_are_the_piece_calls_on_their_buffers(seed: int) -> None:
+    """The path lists every piece call (local ones on the local buffer, remote ones on the
+    distinct remote KV) and the split exchange of the comm map."""
+    plan = random_plan(seed, 4)
+    for rank in range(plan.cp_size):
+        lay = build_layout(plan, rank)
+        comm = build_comm_map(lay, "alltoallv")
+        state = rank_path_state(plan, rank, "segments", "alltoallv", ReferenceSegments())
+        pieces = build_segment_plan(lay, comm).calls
+        calls = PATHS["segments"].planned_calls(state)
+        assert [c[2:] for c in calls] == [("remote" if c.remote else "local", c.q_lo, c.q_hi, c.k_lo, c.k_hi)
+                                          for c in pieces]
+        assert all(c.kind == "segment" for c in calls)
+        assert PATHS["segments"].buffers(state) == {"queries": lay.num_real, "local": lay.num_real,
+                                                    "remote": len(comm.remote_index)}
+        assert [tuple(t) for t in PATHS["segments"].planned_transfers(state)] == [("split", comm.recv_rows, 1)]
