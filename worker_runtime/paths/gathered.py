@@ -55,8 +55,9 @@ class GatheredState(NamedTuple):
     """Rows of the exchange's output that form the gathered keys (shard order)."""
     cu_seqlens_k: np.ndarray
     kernel: SegmentKernel | None
-    meta: SegmentMeta | VarlenMeta
-    """The call's metadata: the segment kernel's, or ``kernels.build_meta``'s."""
+    meta: SegmentMeta | VarlenMeta | None
+    """The call's metadata: the segment kernel's, or ``kernels.build_meta``'s (None for a
+    rank without queries: it makes no call)."""
     window: int | None
     sink_metas: dict[str, tuple[SegmentKernel, SegmentMeta]]
     """Without a segment kernel: the sink call's kernel and metadata, per kernel name."""
@@ -73,10 +74,10 @@ def build(ctx: PathContext) -> GatheredState:
     else:
         kv_index = torch.from_numpy(ctx.comm_map.kv_index).to(device)
     assert exchanger is not None, "the gathered path runs over an exchange"
-    meta: SegmentMeta | VarlenMeta
-    if ctx.kernel is not None:
+    meta: SegmentMeta | VarlenMeta | None = None  # a rank without queries makes no call
+    if lay.num_real and ctx.kernel is not None:
         meta = ctx.kernel.meta(lay.cu_seqlens_q, cu_k, True, device, window=ctx.window)
-    else:
+    elif lay.num_real:
         meta = build_meta(lay.cu_seqlens_q, cu_k, device, window=ctx.window)
     return GatheredState(lay, exchanger, kv_index, cu_k, ctx.kernel, meta, ctx.window, {})
 
@@ -118,6 +119,7 @@ def run(state: GatheredState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kern, meta = sink_kernel(state, q)
         out = GatheredSinkAttention.apply(q[:r], k_seq, v_seq, sink, kern, meta, scale)
     elif state.kernel is not None:
+        assert isinstance(state.meta, SegmentMeta)
         out = SegmentVarlen.apply(q[:r], k_seq, v_seq, state.kernel, state.meta, scale)
     else:
         assert isinstance(state.meta, VarlenMeta)
