@@ -1,4 +1,4 @@
-"""What every back end of the client shares: the result types, the error, the protocol.
+"""What every back end of the client shares: the result type, the error, the protocol.
 
 A module of its own so that the back ends (backends.py, grpc_backend.py) and the local
 planner (local.py) import it, and not one another: no import circle.
@@ -9,17 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from planner_service.core.solved import SolvedPlan
 
-class ServiceResult(NamedTuple):
-    plan_json: str
-    """Canonical JSON of the plan (Plan.to_json())."""
-    plan_id: str
-    solve_ms: float
-    cached: bool
+ServiceResult = SolvedPlan
+"""A back end's answer: the core's SolvedPlan (the name the client's API has exported)."""
 
 
 class ServiceComparison(NamedTuple):
-    results: list[tuple[str, ServiceResult]]
+    results: list[tuple[str, SolvedPlan]]
     """(strategy, result) in the order asked for."""
     errors: dict[str, str]
 
@@ -52,7 +49,7 @@ class Backend(Protocol):
     def warm(self) -> None: ...
 
     def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
-             ) -> ServiceResult: ...
+             ) -> SolvedPlan: ...
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
                 timeout_s: float) -> ServiceComparison: ...
@@ -61,6 +58,6 @@ class Backend(Protocol):
                fallbacks: int = 0) -> None: ...
 
     def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
-              ) -> ServiceResult | None: ...
+              ) -> SolvedPlan | None: ...
 
     def close(self) -> None: ...

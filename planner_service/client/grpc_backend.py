@@ -15,8 +15,9 @@ from typing import Any
 
 import grpc
 
-from planner_service.client.base import ServiceComparison, ServiceError, ServiceResult
+from planner_service.client.base import ServiceComparison, ServiceError
 from planner_service.core.errors import FieldError
+from planner_service.core.solved import SolvedPlan
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
 
@@ -86,9 +87,9 @@ class GrpcBackend:
                                retry_after_s=float(retry) if retry else None) from None
 
     @staticmethod
-    def _result(reply: Any) -> ServiceResult:
-        return ServiceResult(reply.plan_json.decode(), reply.plan_id, reply.solve_ms,
-                             reply.cached)
+    def _result(reply: Any) -> SolvedPlan:
+        return SolvedPlan(reply.plan_json.decode(), reply.plan_id, reply.strategy,
+                          reply.solve_ms, reply.cached)
 
     def _request(self, request: dict[str, Any]) -> Any:
         try:
@@ -98,7 +99,7 @@ class GrpcBackend:
                                field=exc.field if isinstance(exc, FieldError) else None) from None
 
     def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
-             ) -> ServiceResult:
+             ) -> SolvedPlan:
         return self._result(self._call("Plan", self._request(request), timeout_s, fallbacks))
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
@@ -121,7 +122,7 @@ class GrpcBackend:
         self._call("SubmitBatch", message, timeout_s, fallbacks)
 
     def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
-              ) -> ServiceResult | None:
+              ) -> SolvedPlan | None:
         message = self._pb2.GetBatchRequest(job=job, batch=batch, wait_ms=int(wait_s * 1e3))
         reply = self._call("GetBatch", message, timeout_s + wait_s)
         return None if reply.status == "pending" else self._result(reply.plan)

@@ -6,7 +6,8 @@ from typing import Any
 
 from planner_service.client.base import ServiceError
 from planner_service.core.errors import FieldError
-from planner_service.solvers.registry import Solved, strategies_of_complexity, timed_solve
+from planner_service.core.solved import SolvedPlan
+from planner_service.solvers.registry import strategies_of_complexity, timed_solve
 
 FAST_STRATEGIES = strategies_of_complexity("linear", "heuristic")
 """Heuristics that plan a small request in milliseconds: fallbacks on small inputs."""
@@ -22,7 +23,7 @@ SMALL_DOC_RANKS = 2**16
 """... and documents x ranks at most this; larger inputs get BOUNDED_FALLBACK."""
 
 
-def solve_dict(request: dict[str, Any]) -> Solved:
+def solve_dict(request: dict[str, Any]) -> SolvedPlan:
     """Validate a JSON request like the service does and solve it here.
 
     Raises ServiceError with code '422' and the field for invalid input (found by the

@@ -44,6 +44,7 @@ from planner_service.client.local import (
 )
 from planner_service.core.plan import Plan
 from planner_service.core.request import debug_request
+from planner_service.core.solved import SolvedPlan
 
 log = logging.getLogger("planner_service.client")
 
@@ -65,19 +66,32 @@ def _warm_solvers() -> None:
 
 
 class ClientPlan(NamedTuple):
-    plan: Plan
-    plan_json: str
-    """Canonical JSON; byte-identical to the service's answer for the same request."""
+    """A plan the client hands out: the solve's result and where it came from."""
+
+    solved: SolvedPlan
+    """The plan (parsed), its canonical JSON (byte-identical to the service's answer for
+    the same request) and its solve time."""
     source: str
     """'http', 'grpc', 'embedded' or 'local' (a fallback)."""
     fallback: bool
     reason: str | None
     """Why a fallback was used: 'late', 'unavailable' or 'error' (None otherwise)."""
-    solve_ms: float
+
+    @property
+    def plan(self) -> Plan:
+        return self.solved.parsed()
+
+    @property
+    def plan_json(self) -> str:
+        return self.solved.plan_json
 
     @property
     def plan_id(self) -> str:
-        return self.plan.plan_id
+        return self.solved.plan_id
+
+    @property
+    def solve_ms(self) -> float:
+        return self.solved.solve_ms
 
 
 class ClientStats(NamedTuple):
@@ -323,9 +337,8 @@ class PlanClient:
                 if batch.consumed:  # get() already answered with a fallback: stop quietly
                     return
                 raise ServiceError("late", "no plan before the prefetch timeout")
-            plan = Plan.from_json(result.plan_json)
-            answer = ClientPlan(plan, result.plan_json, self.backend.name, False, None,
-                                result.solve_ms)
+            solved = result._replace(plan=Plan.from_json(result.plan_json))
+            answer = ClientPlan(solved, self.backend.name, False, None)
             with self._cond:
                 batch.service = answer
                 self._service_plans += 1
@@ -376,8 +389,7 @@ class PlanClient:
         """Plan locally: ``request`` itself if ``direct``, else its fallback request."""
         solved = solve_dict(request if direct else
                             fallback_request(request, self.fallback_strategy))
-        return ClientPlan(solved.plan, solved.plan.to_json(), "local", True, reason,
-                          solved.solve_ms)
+        return ClientPlan(solved, "local", True, reason)
 
     def _count_fallback(self, reason: str) -> None:
         FALLBACKS.labels(reason).inc()

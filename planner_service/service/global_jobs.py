@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from planner_service.core.errors import FieldError
-from planner_service.service.executor import SolveResult, solver_error
+from planner_service.core.solved import SolvedPlan
+from planner_service.service.executor import solver_error
 from planner_service.service.jobs import BatchEntry, JobStore, check_id
 from planner_service.service.ops import PlannerService
 from planner_service.service.schedule_wire import ScheduleJson, request_hash, schedule_payload
@@ -81,9 +82,9 @@ class GlobalJobs:
         return self.store.submit(job, batch, key, lambda: self._start(payload, client),
                                  client=client)
 
-    def _start(self, payload: dict[str, Any], client: str) -> asyncio.Future[SolveResult]:
+    def _start(self, payload: dict[str, Any], client: str) -> asyncio.Future[SolvedPlan]:
         raw = self.svc.executor.start_call(schedule_payload, payload, client=client)
-        result: asyncio.Future[SolveResult] = asyncio.get_running_loop().create_future()
+        result: asyncio.Future[SolvedPlan] = asyncio.get_running_loop().create_future()
 
         def finish(f: asyncio.Future[tuple[ScheduleJson, float]]) -> None:
             if f.cancelled():
@@ -95,8 +96,8 @@ class GlobalJobs:
                 result.exception()  # mark retrieved: nobody may be waiting any more
                 return
             done, ms = f.result()
-            result.set_result(SolveResult(done.schedule_json, done.schedule_id, STRATEGY_LABEL,
-                                          ms, False, {}))
+            result.set_result(SolvedPlan(done.schedule_json, done.schedule_id, STRATEGY_LABEL,
+                                         ms))
 
         raw.add_done_callback(finish)
         return result

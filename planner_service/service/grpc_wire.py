@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from planner_service.core.errors import FieldError
+from planner_service.core.solved import SolvedPlan
 
 
 def request_to_dict(msg: Any) -> dict[str, Any]:
@@ -88,9 +89,9 @@ def dict_to_request(pb2: Any, data: dict[str, Any]) -> Any:
     return msg
 
 
-def plan_reply(pb2: Any, result: Any) -> Any:
-    """A PlanReply for an executor SolveResult."""
+def plan_reply(pb2: Any, result: SolvedPlan) -> Any:
+    """The PlanReply of a solve (the same fields as SolvedPlan)."""
     return pb2.PlanReply(
         plan_json=result.plan_json.encode(), plan_id=result.plan_id, strategy=result.strategy,
         solve_ms=result.solve_ms, cached=result.cached,
-        metrics=pb2.PlanMetrics(**result.headline))
+        metrics=pb2.PlanMetrics(**(result.headline or {})))

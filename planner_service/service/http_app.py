@@ -18,9 +18,10 @@ from pydantic import BaseModel, ValidationError
 
 from planner_service.core.errors import FieldError
 from planner_service.core.plan import canonical_json
+from planner_service.core.solved import SolvedPlan
 from planner_service.core.validate import PlanError
 from planner_service.service import global_jobs
-from planner_service.service.executor import DeadlineExceeded, Overloaded, SolveResult
+from planner_service.service.executor import DeadlineExceeded, Overloaded
 from planner_service.service.jobs import BatchEntry, Conflict, NotFound
 from planner_service.service.middleware import AuthAndLimits
 from planner_service.service.ops import PlannerService, sample_lengths
@@ -72,7 +73,7 @@ def error(status: int, message: str, field: str | None = None,
                         status_code=status, headers=headers)
 
 
-def plan_response(result: SolveResult, status: int = 200) -> Response:
+def plan_response(result: SolvedPlan, status: int = 200) -> Response:
     return Response(result.plan_json, status_code=status, media_type=JSON, headers={
         "Server-Timing": f"solve;dur={result.solve_ms:.3f}",
         "X-Plan-Id": result.plan_id,

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner_service.core.errors import FieldError
-from planner_service.service.executor import DeadlineExceeded, SolveResult, wait_for
+from planner_service.core.solved import SolvedPlan
+from planner_service.service.executor import DeadlineExceeded, wait_for
 from planner_service.service.metrics import ServiceMetrics
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
@@ -51,7 +52,7 @@ class BatchEntry:
     batch: str
     key: str
     """Content hash of the request (schemas.request_key)."""
-    future: asyncio.Future[SolveResult]
+    future: asyncio.Future[SolvedPlan]
     deadline: float
     """Monotonic time after which a pending batch is reported as failed."""
     finished_at: float | None = None
@@ -119,7 +120,7 @@ class JobStore:
         return self._bytes
 
     def submit(self, job: str, batch: str, key: str,
-               start: Callable[[], asyncio.Future[SolveResult]], client: str = ""
+               start: Callable[[], asyncio.Future[SolvedPlan]], client: str = ""
                ) -> tuple[BatchEntry, bool]:
         """Register a batch and start its solve with ``start()``; returns (entry, created).
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from planner_service.core.build import Layout, build_plan
 from planner_service.core.errors import FieldError
 from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
+from planner_service.core.solved import SolvedPlan
 from planner_service.core.validate import validate_plan
 from planner_service.solvers.baselines import llama3_layout, per_doc_layout, ring_layout
 from planner_service.solvers.contiguous_halo import contiguous_halo_layout
@@ -315,14 +316,10 @@ def _solve(request: PlanRequest, check: bool) -> Plan:
     return plan
 
 
-class Solved(NamedTuple):
-    plan: Plan
-    solve_ms: float
-    """Wall time of ``solve``; kept outside the plan so plans stay byte-identical."""
-
-
-def timed_solve(request: PlanRequest, *, check: bool = True) -> Solved:
+def timed_solve(request: PlanRequest, *, check: bool = True) -> SolvedPlan:
+    """``solve`` and its wall time (ms, kept outside the plan so plans stay
+    byte-identical); the result holds the plan and its canonical JSON."""
     start = time.perf_counter()
     plan = solve(request, check=check)
-    return Solved(plan, (time.perf_counter() - start) * 1e3)
+    return SolvedPlan.of(plan, (time.perf_counter() - start) * 1e3)
 
