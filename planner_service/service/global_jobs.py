@@ -40,7 +40,7 @@ from planner_service.service.schemas import (
 
 STRATEGY_LABEL = "fcp"
 JSON = "application/json"
-ERROR_CODES = (404, 409, 413, 422, 429, 501, 503, 504)
+ERROR_CODES = (404, 409, 413, 422, 429, 503, 504)
 
 
 class GlobalBatchStatusOut(BaseModel):
@@ -144,7 +144,7 @@ def _parse(raw: bytes | str, svc: PlannerService) -> ScheduleRequestIn:
 
 def add_routes(app: FastAPI, svc: PlannerService) -> None:
     """``PUT/GET /v1/jobs/{job}/global-batches/{batch}`` (errors through the app's
-    handlers: 422, 404, 409, 429, 501, 504)."""
+    handlers: 422, 404, 409, 429, 504)."""
     jobs = global_jobs(svc)
 
     @app.put("/v1/jobs/{job}/global-batches/{batch}", status_code=202, tags=["jobs"],

@@ -43,7 +43,7 @@ from planner_service.service.settings import Settings, load_settings
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 JSON = "application/json"
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorOut} for code in (401, 404, 409, 413, 415, 422, 429, 501, 503, 504)}
+    code: {"model": ErrorOut} for code in (401, 404, 409, 413, 415, 422, 429, 503, 504)}
 DeadlineHeader = Annotated[int | None, Header(alias="X-Planner-Deadline-Ms", ge=1,
                                               le=3_600_000)]
 FallbackHeader = Annotated[str | None, Header(alias="X-Planner-Fallbacks")]
