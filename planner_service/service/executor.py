@@ -110,7 +110,8 @@ class Executor:
     def _make_pool(self) -> WorkerPool | cf.ThreadPoolExecutor:
         if self.workers == 0:
             return cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner-solve")
-        pool = WorkerPool(self.workers, reserved=self.fast_workers, observer=self._observe)
+        pool = WorkerPool(self.workers, reserved=self.fast_workers, observer=self._observe,
+                          setup=test_hooks.install if self.settings.test_hooks else None)
         pool.start()
         return pool
 
@@ -121,7 +122,8 @@ class Executor:
 
     async def start(self) -> None:
         """Start the workers and run one warm-up task on each (concurrently)."""
-        test_hooks.install()
+        if self.settings.test_hooks:
+            test_hooks.install()
         self._pool = self._make_pool()
         size = max(1, self.workers) + self.fast_workers
         pids = await asyncio.gather(*(self._submit(warm_worker, timeout_s=WARM_TIMEOUT_S,

@@ -12,7 +12,6 @@ from typing import Any
 from planner_service.core.errors import FieldError
 from planner_service.core.request import PlanRequest, debug_request
 from planner_service.core.solved import SolvedPlan
-from planner_service.service import test_hooks
 from planner_service.solvers.registry import strategies_of_complexity, timed_solve
 
 WARM_STRATEGIES = tuple(sorted(strategies_of_complexity("linear", "heuristic")))
@@ -27,7 +26,6 @@ def solve_in_worker(request: PlanRequest, max_plan_bytes: int | None = None) -> 
 
     Raises FieldError (``cp_size``) when the plan's JSON is above ``max_plan_bytes``.
     """
-    test_hooks.install()
     solved = timed_solve(request)
     assert solved.plan is not None
     m = solved.plan.metrics
@@ -44,7 +42,6 @@ def solve_in_worker(request: PlanRequest, max_plan_bytes: int | None = None) -> 
 
 def warm_worker() -> int:
     """Import the solvers and run each fast strategy once, so first requests are fast."""
-    test_hooks.install()
     for strategy in WARM_STRATEGIES:
         timed_solve(debug_request(strategy=strategy))
     return os.getpid()
@@ -54,7 +51,6 @@ def call_in_worker(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """Run ``fn(*args)`` and time it (used for FCP scheduling)."""
     import time
 
-    test_hooks.install()
     start = time.perf_counter()
     out = fn(*args)
     return out, (time.perf_counter() - start) * 1e3
