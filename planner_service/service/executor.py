@@ -247,6 +247,8 @@ class Executor:
         """Start (or join, or answer from cache) the solve of ``request``, to run at most
         ``timeout_s`` (default: :meth:`timeout_for`) from now.
 
+        ``request`` has passed ``registry.checked_strategy`` (PlannerService.request; a
+        comparison's ``compared_options``): the solver process does not check it again.
         ``key`` is its content hash (schemas.request_key). Every call counts one waiter;
         call :meth:`release` when no longer waiting (the solve stops when the last waiter
         leaves). A caller that never releases (the job store) keeps it to its deadline.

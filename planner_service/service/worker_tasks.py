@@ -26,7 +26,7 @@ def solve_in_worker(request: PlanRequest, max_plan_bytes: int | None = None) -> 
 
     Raises FieldError (``cp_size``) when the plan's JSON is above ``max_plan_bytes``.
     """
-    solved = timed_solve(request)
+    solved = timed_solve(request, admitted=True)  # ops.PlannerService.request checked it
     assert solved.plan is not None
     m = solved.plan.metrics
     headline = {"imbalance": m.imbalance, "comm_tokens": m.comm_tokens,
