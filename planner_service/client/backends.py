@@ -16,7 +16,13 @@ from typing import Any
 
 import httpx
 
-from planner_service.client.base import Backend, ServiceComparison, ServiceError, ServiceResult
+from planner_service.client.base import (
+    SCHEDULE_LABEL,
+    Backend,
+    ServiceComparison,
+    ServiceError,
+    ServiceResult,
+)
 from planner_service.core.solved import SolvedPlan
 
 USER_AGENT = "cp-planner-client/1"
@@ -110,6 +116,19 @@ class HttpBackend:
                        params={"wait_ms": int(wait_s * 1e3)})
         return None if r.status_code == 202 else _http_result(r, request=None)
 
+    def submit_global(self, job: str, batch: str, request: dict[str, Any], timeout_s: float
+                      ) -> None:
+        self._send("PUT", f"/v1/jobs/{job}/global-batches/{batch}", timeout_s, body=request)
+
+    def fetch_global(self, job: str, batch: str, wait_s: float, timeout_s: float
+                     ) -> SolvedPlan | None:
+        r = self._send("GET", f"/v1/jobs/{job}/global-batches/{batch}", timeout_s + wait_s,
+                       params={"wait_ms": int(wait_s * 1e3)})
+        if r.status_code == 202:
+            return None
+        return SolvedPlan(r.text, r.headers.get("x-schedule-id", ""), SCHEDULE_LABEL,
+                          _server_timing_ms(r))
+
     def close(self) -> None:
         with self._lock:
             if self._client is not None and self._pid == os.getpid():
@@ -129,11 +148,15 @@ def _deadline_headers(timeout_s: float | None, fallbacks: int) -> dict[str, str]
 def _http_result(r: httpx.Response, request: dict[str, Any] | None) -> SolvedPlan:
     """A plan answer: the body, X-Plan-Id, Server-Timing and X-Cache (the strategy is the
     request's where known: the answer's headers do not name it)."""
-    timing = r.headers.get("server-timing", "")
-    solve_ms = float(timing.split("dur=")[1]) if "dur=" in timing else float("nan")
     strategy = str((request or {}).get("strategy", ""))
-    return SolvedPlan(r.text, r.headers.get("x-plan-id", ""), strategy, solve_ms,
+    return SolvedPlan(r.text, r.headers.get("x-plan-id", ""), strategy, _server_timing_ms(r),
                       r.headers.get("x-cache") == "hit")
+
+
+def _server_timing_ms(r: httpx.Response) -> float:
+    """The solve time of an answer's ``Server-Timing`` header (NaN without one)."""
+    timing = r.headers.get("server-timing", "")
+    return float(timing.split("dur=")[1]) if "dur=" in timing else float("nan")
 
 
 def http_error(r: httpx.Response) -> ServiceError:
@@ -202,11 +225,26 @@ class EmbeddedBackend:
 
     def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
               ) -> SolvedPlan | None:
+        return self.plan(self._take(job, batch), timeout_s)
+
+    def submit_global(self, job: str, batch: str, request: dict[str, Any], timeout_s: float
+                      ) -> None:
         with self._lock:
-            request = self._jobs.pop((job, batch), None)
+            self._jobs[(job, f"global/{batch}")] = request
+
+    def fetch_global(self, job: str, batch: str, wait_s: float, timeout_s: float
+                     ) -> SolvedPlan | None:
+        from planner_service.client.local import solve_schedule_dict  # heavy: FCP
+
+        return solve_schedule_dict(self._take(job, f"global/{batch}"))
+
+    def _take(self, job: str, key: str) -> dict[str, Any]:
+        with self._lock:
+            request = self._jobs.pop((job, key), None)
         if request is None:
-            raise ServiceError("404", f"batch {batch!r} of job {job!r} is unknown")
-        return self.plan(request, timeout_s)
+            raise ServiceError("404", f"batch {key.removeprefix('global/')!r} of job {job!r} "
+                               "is unknown")
+        return request
 
     def close(self) -> None:
         with self._lock:

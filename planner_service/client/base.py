@@ -11,6 +11,9 @@ from typing import Any, NamedTuple, Protocol
 
 from planner_service.core.solved import SolvedPlan
 
+SCHEDULE_LABEL = "fcp"
+"""The ``strategy`` of a global batch's schedule (the service's label for FCP)."""
+
 ServiceResult = SolvedPlan
 """A back end's answer: the core's SolvedPlan (the name the client's API has exported)."""
 
@@ -42,7 +45,8 @@ class ServiceError(ValueError):
 
 
 class Backend(Protocol):
-    """What PlanClient needs from a planner (all methods are blocking and thread-safe)."""
+    """What PlanClient and ScheduleClient need from a planner (all methods are blocking
+    and thread-safe): single plans and their job batches, and global batches."""
 
     name: str
 
@@ -59,5 +63,13 @@ class Backend(Protocol):
 
     def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
               ) -> SolvedPlan | None: ...
+
+    def submit_global(self, job: str, batch: str, request: dict[str, Any], timeout_s: float
+                      ) -> None: ...
+
+    def fetch_global(self, job: str, batch: str, wait_s: float, timeout_s: float
+                     ) -> SolvedPlan | None:
+        """A global batch's FCP schedule (its JSON and schedule_id in the result's
+        plan_json and plan_id), None while pending."""
 
     def close(self) -> None: ...
