@@ -137,6 +137,9 @@ class AheadClient(Generic[T]):
     def __init__(self, spec: Backend | str, *, job: str, token: str | None, timeout_s: float,
                  request_timeout_s: float, prefetch_timeout_s: float, max_batches: int,
                  network_threads: int) -> None:
+        """The arguments both clients take (documented on PlanClient and ScheduleClient);
+        ``spec`` is a URL for backends.make_backend or a Backend, ``network_threads`` the
+        threads asking the service. Raises ValueError for a timeout <= 0."""
         if timeout_s <= 0 or request_timeout_s <= 0:
             raise ValueError("timeout_s and request_timeout_s must be > 0")
         self.spec = spec

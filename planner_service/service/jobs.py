@@ -82,6 +82,21 @@ class JobStore:
                  clock: Callable[[], float] = time.monotonic,
                  max_jobs_per_client: int | None = None,
                  max_client_bytes: int | None = None, store: str = "plans") -> None:
+        """A store bounded by the operator's settings.
+
+        Args:
+            ttl_s: finished batches are dropped this long after they finish.
+            max_jobs: jobs held at once; the least recently used one is evicted beyond it.
+            max_batches_per_job: batches kept per job; its oldest are evicted beyond it.
+            memory_bytes: bound on the answer bytes held; oldest finished batches go first.
+            deadline_s: how long a batch may stay pending.
+            metrics: the service's metrics (job gauges and evictions).
+            clock: the time source (monotonic seconds; tests move it).
+            max_jobs_per_client: jobs one client may hold (None: ``max_jobs``).
+            max_client_bytes: answer bytes one client's finished batches may hold (None:
+                ``memory_bytes``).
+            store: the ``store`` label of the metrics (plans or global).
+        """
         self.ttl_s = ttl_s
         self.max_jobs = max_jobs
         self.max_batches_per_job = max_batches_per_job
