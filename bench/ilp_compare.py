@@ -95,7 +95,8 @@ def run_cell(dataset: str, n: int, context: int, args: argparse.Namespace,
             request = replace(base, strategy=name, options=options)
             progress.records.clear()
             start = time.time()
-            plan, ms = timed_solve(request, check=False)
+            solved = timed_solve(request, check=False)
+            plan, ms = solved.parsed(), solved.solve_ms
             m = plan.metrics
             row = rows.setdefault(name, {k: [] for k in ("imb", "own", "a2av", "ms", "ms_checked")})
             row["imb"].append(m.imbalance)

@@ -41,8 +41,8 @@ def main() -> None:
                                   imbalance_target=args.imbalance_target, strategy="ilp",
                                   options={"time_limit_s": limit, "granularity": 2048, "workers": 2})
             solves = [timed_solve(request, check=False) for _ in range(args.repeat)]
-            plan, ms = solves[0]
-            same = len({p.to_json() for p, _ in solves}) == 1
+            plan, ms = solves[0].parsed(), solves[0].solve_ms
+            same = len({s.plan_json for s in solves}) == 1
             info = plan.info
             print(f"| {k} | {info['time_limit_s']:g} | {info['objective_value']} | {info['best_bound']} | "
                   f"{info['gap']:.3f} | {info['status']} | {info['deterministic']} | {ms / 1e3:.1f} | "

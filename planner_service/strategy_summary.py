@@ -17,7 +17,8 @@ SolveFn = Callable[[PlanRequest], tuple[Plan, float]]
 
 
 def _local(request: PlanRequest) -> tuple[Plan, float]:
-    return tuple(timed_solve(request, check=False))  # type: ignore[return-value]
+    solved = timed_solve(request, check=False)
+    return solved.parsed(), solved.solve_ms
 
 
 class StrategySummary(NamedTuple):

@@ -72,3 +72,33 @@ def test_rejects_rank_outside_cp_size(plan):
     group = replace(plan.groups[0], ranks=(0, 5))
     with pytest.raises(PlanError, match="rank 5 outside"):
         validate_plan(rehash(replace(plan, groups=(group,))))
+
+
+def test_metrics_false_takes_the_metrics_as_given_and_checks_the_rest(plan):
+    """The service's self-check (metrics=False) trusts build_plan's metrics only."""
+    validate_plan(plan, metrics=False)
+    bad_metrics = rehash(replace(plan, metrics=replace(plan.metrics, imbalance=1.0)))
+    validate_plan(bad_metrics, metrics=False)
+    shards = [list(r) for r in plan.groups[0].shards]
+    shards[0] = shards[0][:-1]
+    with pytest.raises(PlanError, match="missing"):
+        validate_plan(with_shards(plan, shards), metrics=False)
+    with pytest.raises(PlanError, match="plan_id"):
+        validate_plan(replace(plan, plan_id="0" * 64), metrics=False)
+
+
+@pytest.mark.parametrize("strategy", ["llama3", "per_doc", "zigzag", "flashcp", "auto"])
+@pytest.mark.parametrize("windowed", [False, True])
+def test_admitted_solve_gives_the_library_plan(strategy, windowed):
+    """The service's solve (admitted: no second strategy check, the metrics computed once)
+    gives the bytes the library's fully checked solve gives, and the full validator
+    accepts them."""
+    from planner_service.core.mask import parse_layers
+
+    request = debug_request(strategy=strategy)
+    if windowed:
+        request = replace(request, mask=parse_layers([{"window": 512, "count": 3},
+                                                      {"window": None, "count": 1}]))
+    admitted = solve(request, admitted=True)
+    assert admitted.to_json() == solve(request).to_json()
+    validate_plan(admitted)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from planner_service.cli import app as cli_app
 from planner_service.client.backends import EmbeddedBackend, ServiceError, make_backend
-from planner_service.client.global_batch import solve_local
+from planner_service.client.local import solve_schedule_dict as solve_local
 from planner_service.core.errors import FieldError
 from planner_service.core.model import ModelSpec
 from planner_service.core.request import PlanRequest

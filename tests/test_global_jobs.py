@@ -12,8 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 from timing import scaled
 
-from planner_service.client.backends import ServiceError
-from planner_service.client.global_batch import ScheduleClient, make_transport, solve_local
+from planner_service.client.backends import EmbeddedBackend, ServiceError
+from planner_service.client.global_batch import ScheduleClient, make_transport
+from planner_service.client.local import solve_schedule_dict as solve_local
 from planner_service.service.global_jobs import global_jobs
 from planner_service.service.http_app import create_app
 from planner_service.service.ops import PlannerService
@@ -62,7 +63,7 @@ def test_http_submit_fetch_and_idempotent_resubmit(http):
     assert again.status_code == 200 and again.json()["request_hash"] == first["request_hash"]
     assert again.json()["schedule_id"] == schedule["schedule_id"]
     # A client computing it locally (its fallback) gets the same bytes.
-    text, schedule_id, _ = solve_local(BODY)
+    text, schedule_id = solve_local(BODY)[:2]
     assert text.encode() == got.content and schedule_id == schedule["schedule_id"]
 
 
@@ -127,7 +128,7 @@ def test_grpc_submit_fetch_resubmit_conflict_and_expiry(grpc_server):
         transport.submit("g1", "0", BODY, scaled(5))
         got = transport.fetch("g1", "0", scaled(20), scaled(5))
         assert got is not None
-        text, schedule_id, _ = got
+        text, schedule_id = got[:2]
         assert (text, schedule_id) == solve_local(BODY)[:2]
         transport.submit("g1", "0", BODY, scaled(5))  # idempotent
         with pytest.raises(ServiceError) as conflict:
@@ -162,3 +163,33 @@ def test_schedule_client_uses_the_service_then_falls_back_identically(grpc_serve
     assert local.schedule_json == served.schedule_json
     assert [p.plan_id for p in local.plans()] == [p.plan_id for p in served.plans()]
     assert json.loads(served.schedule_json)["schedule_id"] == served.schedule_id
+
+
+class _RefusingBackend(EmbeddedBackend):
+    """Every global batch answered 429 (the service's queue is full)."""
+
+    name = "refusing"
+
+    def submit_global(self, job, batch, request, timeout_s) -> None:
+        raise ServiceError("429", "the solver queue is full", retry_after_s=1)
+
+
+def test_schedule_client_shares_the_plan_clients_state_machine():
+    """Embedded: the schedule itself; an error answer: the same bytes from the local
+    fallback, reason 'error', degraded; input FCP rejects: ServiceError 422."""
+    with ScheduleClient("embedded", num_ranks=4, memory_tokens=2048, job="e1",
+                        timeout_s=scaled(20)) as embedded:
+        embedded.prefetch(0, BODY["sequences"], strategy="flashcp")
+        served = embedded.get(0)
+        assert (served.source, served.fallback) == ("embedded", False)
+        assert embedded.stats["service_schedules"] == 1
+    with ScheduleClient(_RefusingBackend(), num_ranks=4, memory_tokens=2048, job="e2",
+                        timeout_s=scaled(20)) as refused:
+        refused.prefetch(0, BODY["sequences"], strategy="flashcp")
+        local = refused.get(0)
+        assert (local.source, local.fallback, local.reason) == ("local", True, "error")
+        assert local.schedule_json == served.schedule_json
+        assert refused.stats["degraded"] and refused.stats["fallbacks"] == 1
+        with pytest.raises(ServiceError) as bad:
+            refused.get(1, sequences=[[0]])
+        assert bad.value.code == "422"

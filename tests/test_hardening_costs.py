@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner_service.core.request import debug_request
+from planner_service.core.solved import SolvedPlan
 from planner_service.proto_build import load
 from planner_service.service import pool as pool_mod
 from planner_service.service.cost_gate import FAST, SLOW, plan_bytes_bound, request_cost
-from planner_service.service.executor import Executor, Overloaded, SolveResult
+from planner_service.service.executor import Executor, Overloaded
 from planner_service.service.global_jobs import global_jobs
 from planner_service.service.http_app import create_app
 from planner_service.service.jobs import JobStore
@@ -192,9 +193,9 @@ def test_grpc_schedule_routes_refuse_bad_numbers_as_invalid_argument():
 
 # ---- job stores isolate clients by bytes -----------------------------------------------
 
-def _done(size: int) -> asyncio.Future[SolveResult]:
-    future: asyncio.Future[SolveResult] = asyncio.get_running_loop().create_future()
-    future.set_result(SolveResult("x" * size, f"id{size}", "flashcp", 1.0, False, {}))
+def _done(size: int) -> asyncio.Future[SolvedPlan]:
+    future: asyncio.Future[SolvedPlan] = asyncio.get_running_loop().create_future()
+    future.set_result(SolvedPlan("x" * size, f"id{size}", "flashcp", 1.0, False, {}))
     return future
 
 

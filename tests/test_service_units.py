@@ -15,8 +15,9 @@ from planner_service import proto_build
 from planner_service.core.errors import FieldError
 from planner_service.core.profiles import default_kernel_name
 from planner_service.core.request import debug_request
+from planner_service.core.solved import SolvedPlan
 from planner_service.service import executor as executor_mod
-from planner_service.service.executor import DeadlineExceeded, Executor, Overloaded, SolveResult
+from planner_service.service.executor import DeadlineExceeded, Executor, Overloaded
 from planner_service.service.jobs import Conflict, JobStore, NotFound
 from planner_service.service.metrics import ServiceMetrics
 from planner_service.service.schemas import request_key
@@ -85,7 +86,7 @@ def test_executor_rejects_beyond_the_queue_bound_with_retry_after(monkeypatch):
             ex.submit(requests[2], request_key(requests[2]))
         assert info.value.retry_after_s >= 1 and ex.depth == 2
         results = await asyncio.gather(*futures)
-        assert ex.depth == 0 and all(isinstance(r, SolveResult) for r in results)
+        assert ex.depth == 0 and all(isinstance(r, SolvedPlan) for r in results)
         await ex.close()
     run(main())
 
@@ -164,7 +165,7 @@ def make_store(clock: FakeClock, **kw: int | float) -> JobStore:
 
 def done_future(plan_json: str = "{}") -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
-    future.set_result(SolveResult(plan_json, "id-" + plan_json[:8], "flashcp", 1.0, False, {}))
+    future.set_result(SolvedPlan(plan_json, "id-" + plan_json[:8], "flashcp", 1.0, False, {}))
     return future
 
 

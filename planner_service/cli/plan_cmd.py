@@ -175,10 +175,11 @@ def plan(
         from planner_service.client import remote_plan
 
         remote = remote_plan(url, request)
-        result, solve_ms = remote.plan, remote.solve_ms
+        result, solve_ms = remote.parsed(), remote.solve_ms
     else:
         prepare(request.strategy)  # "solved in" is the solve, not the imports
-        result, solve_ms = timed_solve(request)
+        solved = timed_solve(request)
+        result, solve_ms = solved.parsed(), solved.solve_ms
     if as_json:
         typer.echo(result.to_json(indent=2))
         return
@@ -266,7 +267,7 @@ def compare_cmd(
 
         def ask_service(request: PlanRequest) -> tuple[Plan, float]:
             remote = remote_plan(url, request)
-            return remote.plan, remote.solve_ms
+            return remote.parsed(), remote.solve_ms
 
         summaries = summarize_strategies(names, sequences, base, solve=ask_service)
     else:

@@ -23,6 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from planner_service.client.global_batch import GlobalSchedule
 from planner_service.client.prefetch import ClientPlan
 from planner_service.core.plan import Plan
+from planner_service.core.solved import SolvedPlan
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -102,7 +103,9 @@ def _encode_plan(plan: ClientPlan) -> tuple[str, str, bool, str | None, float]:
 
 def _decode_plan(body: tuple[str, str, bool, str | None, float]) -> ClientPlan:
     plan_json, source, fallback, reason, solve_ms = body
-    return ClientPlan(Plan.from_json(plan_json), plan_json, source, fallback, reason, solve_ms)
+    plan = Plan.from_json(plan_json)
+    return ClientPlan(SolvedPlan(plan_json, plan.plan_id, plan.strategy, solve_ms, plan=plan),
+                      source, fallback, reason)
 
 
 class PlanAgreement(Generic[T]):

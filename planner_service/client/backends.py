@@ -16,7 +16,14 @@ from typing import Any
 
 import httpx
 
-from planner_service.client.base import Backend, ServiceComparison, ServiceError, ServiceResult
+from planner_service.client.base import (
+    SCHEDULE_LABEL,
+    Backend,
+    ServiceComparison,
+    ServiceError,
+    ServiceResult,
+)
+from planner_service.core.solved import SolvedPlan
 
 USER_AGENT = "cp-planner-client/1"
 
@@ -78,10 +85,10 @@ class HttpBackend:
             pass
 
     def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
-             ) -> ServiceResult:
+             ) -> SolvedPlan:
         r = self._send("POST", "/v1/plan", timeout_s, body=request,
                        headers=_deadline_headers(timeout_s, fallbacks))
-        return _http_result(r)
+        return _http_result(r, request)
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
                 timeout_s: float) -> ServiceComparison:
@@ -92,8 +99,9 @@ class HttpBackend:
                           headers=_deadline_headers(timeout_s, 0)).json()
         from planner_service.core.plan import canonical_json
 
-        results = [(e["strategy"], ServiceResult(canonical_json(e["plan"]), e["plan"]["plan_id"],
-                                                 float(e["solve_ms"]), bool(e["cached"])))
+        results = [(e["strategy"], SolvedPlan(canonical_json(e["plan"]), e["plan"]["plan_id"],
+                                              e["strategy"], float(e["solve_ms"]),
+                                              bool(e["cached"])))
                    for e in data["results"]]
         return ServiceComparison(results, dict(data["errors"]))
 
@@ -103,10 +111,23 @@ class HttpBackend:
                    headers=_deadline_headers(None, fallbacks))
 
     def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
-              ) -> ServiceResult | None:
+              ) -> SolvedPlan | None:
         r = self._send("GET", f"/v1/jobs/{job}/batches/{batch}", timeout_s + wait_s,
                        params={"wait_ms": int(wait_s * 1e3)})
-        return None if r.status_code == 202 else _http_result(r)
+        return None if r.status_code == 202 else _http_result(r, request=None)
+
+    def submit_global(self, job: str, batch: str, request: dict[str, Any], timeout_s: float
+                      ) -> None:
+        self._send("PUT", f"/v1/jobs/{job}/global-batches/{batch}", timeout_s, body=request)
+
+    def fetch_global(self, job: str, batch: str, wait_s: float, timeout_s: float
+                     ) -> SolvedPlan | None:
+        r = self._send("GET", f"/v1/jobs/{job}/global-batches/{batch}", timeout_s + wait_s,
+                       params={"wait_ms": int(wait_s * 1e3)})
+        if r.status_code == 202:
+            return None
+        return SolvedPlan(r.text, r.headers.get("x-schedule-id", ""), SCHEDULE_LABEL,
+                          _server_timing_ms(r))
 
     def close(self) -> None:
         with self._lock:
@@ -124,11 +145,18 @@ def _deadline_headers(timeout_s: float | None, fallbacks: int) -> dict[str, str]
     return headers
 
 
-def _http_result(r: httpx.Response) -> ServiceResult:
+def _http_result(r: httpx.Response, request: dict[str, Any] | None) -> SolvedPlan:
+    """A plan answer: the body, X-Plan-Id, Server-Timing and X-Cache (the strategy is the
+    request's where known: the answer's headers do not name it)."""
+    strategy = str((request or {}).get("strategy", ""))
+    return SolvedPlan(r.text, r.headers.get("x-plan-id", ""), strategy, _server_timing_ms(r),
+                      r.headers.get("x-cache") == "hit")
+
+
+def _server_timing_ms(r: httpx.Response) -> float:
+    """The solve time of an answer's ``Server-Timing`` header (NaN without one)."""
     timing = r.headers.get("server-timing", "")
-    solve_ms = float(timing.split("dur=")[1]) if "dur=" in timing else float("nan")
-    return ServiceResult(r.text, r.headers.get("x-plan-id", ""), solve_ms,
-                         r.headers.get("x-cache") == "hit")
+    return float(timing.split("dur=")[1]) if "dur=" in timing else float("nan")
 
 
 def http_error(r: httpx.Response) -> ServiceError:
@@ -163,11 +191,10 @@ class EmbeddedBackend:
         pass
 
     def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
-             ) -> ServiceResult:
+             ) -> SolvedPlan:
         from planner_service.client.local import solve_dict  # heavy: solvers, on first use
 
-        solved = solve_dict(request)
-        return ServiceResult(solved.plan.to_json(), solved.plan.plan_id, solved.solve_ms, False)
+        return solve_dict(request).wire()
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
                 timeout_s: float) -> ServiceComparison:
@@ -197,12 +224,27 @@ class EmbeddedBackend:
             self._jobs[(job, batch)] = request
 
     def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
-              ) -> ServiceResult | None:
+              ) -> SolvedPlan | None:
+        return self.plan(self._take(job, batch), timeout_s)
+
+    def submit_global(self, job: str, batch: str, request: dict[str, Any], timeout_s: float
+                      ) -> None:
         with self._lock:
-            request = self._jobs.pop((job, batch), None)
+            self._jobs[(job, f"global/{batch}")] = request
+
+    def fetch_global(self, job: str, batch: str, wait_s: float, timeout_s: float
+                     ) -> SolvedPlan | None:
+        from planner_service.client.local import solve_schedule_dict  # heavy: FCP
+
+        return solve_schedule_dict(self._take(job, f"global/{batch}"))
+
+    def _take(self, job: str, key: str) -> dict[str, Any]:
+        with self._lock:
+            request = self._jobs.pop((job, key), None)
         if request is None:
-            raise ServiceError("404", f"batch {batch!r} of job {job!r} is unknown")
-        return self.plan(request, timeout_s)
+            raise ServiceError("404", f"batch {key.removeprefix('global/')!r} of job {job!r} "
+                               "is unknown")
+        return request
 
     def close(self) -> None:
         with self._lock:

@@ -1,4 +1,4 @@
-"""What every back end of the client shares: the result types, the error, the protocol.
+"""What every back end of the client shares: the result type, the error, the protocol.
 
 A module of its own so that the back ends (backends.py, grpc_backend.py) and the local
 planner (local.py) import it, and not one another: no import circle.
@@ -9,17 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from planner_service.core.solved import SolvedPlan
 
-class ServiceResult(NamedTuple):
-    plan_json: str
-    """Canonical JSON of the plan (Plan.to_json())."""
-    plan_id: str
-    solve_ms: float
-    cached: bool
+SCHEDULE_LABEL = "fcp"
+"""The ``strategy`` of a global batch's schedule (the service's label for FCP)."""
+
+ServiceResult = SolvedPlan
+"""A back end's answer: the core's SolvedPlan (the name the client's API has exported)."""
 
 
 class ServiceComparison(NamedTuple):
-    results: list[tuple[str, ServiceResult]]
+    results: list[tuple[str, SolvedPlan]]
     """(strategy, result) in the order asked for."""
     errors: dict[str, str]
 
@@ -45,14 +45,15 @@ class ServiceError(ValueError):
 
 
 class Backend(Protocol):
-    """What PlanClient needs from a planner (all methods are blocking and thread-safe)."""
+    """What PlanClient and ScheduleClient need from a planner (all methods are blocking
+    and thread-safe): single plans and their job batches, and global batches."""
 
     name: str
 
     def warm(self) -> None: ...
 
     def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
-             ) -> ServiceResult: ...
+             ) -> SolvedPlan: ...
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
                 timeout_s: float) -> ServiceComparison: ...
@@ -61,6 +62,14 @@ class Backend(Protocol):
                fallbacks: int = 0) -> None: ...
 
     def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
-              ) -> ServiceResult | None: ...
+              ) -> SolvedPlan | None: ...
+
+    def submit_global(self, job: str, batch: str, request: dict[str, Any], timeout_s: float
+                      ) -> None: ...
+
+    def fetch_global(self, job: str, batch: str, wait_s: float, timeout_s: float
+                     ) -> SolvedPlan | None:
+        """A global batch's FCP schedule (its JSON and schedule_id in the result's
+        plan_json and plan_id), None while pending."""
 
     def close(self) -> None: ...

@@ -15,8 +15,9 @@ from typing import Any
 
 import grpc
 
-from planner_service.client.base import ServiceComparison, ServiceError, ServiceResult
+from planner_service.client.base import SCHEDULE_LABEL, ServiceComparison, ServiceError
 from planner_service.core.errors import FieldError
+from planner_service.core.solved import SolvedPlan
 from planner_service.proto_build import load
 from planner_service.service.grpc_wire import dict_to_request
 
@@ -30,6 +31,7 @@ class GrpcBackend:
         self.target = target
         self.token = token
         self._stub: Any = None
+        self._global_stub: Any = None
         self._channel: grpc.Channel | None = None
         self._pid = -1
         self._lock = threading.Lock()
@@ -51,9 +53,15 @@ class GrpcBackend:
                     ("grpc.initial_reconnect_backoff_ms", 100),
                     ("grpc.min_reconnect_backoff_ms", 100),
                     ("grpc.max_reconnect_backoff_ms", 1000)])
-                self._stub = load().pb2_grpc.PlannerStub(self._channel)
+                stubs = load().pb2_grpc
+                self._stub = stubs.PlannerStub(self._channel)
+                self._global_stub = stubs.GlobalBatchesStub(self._channel)
                 self._pid = os.getpid()
             return self._stub
+
+    def _get_global_stub(self) -> Any:
+        self._get_stub()
+        return self._global_stub
 
     def warm(self) -> None:
         """Connect now (best effort), not on the first plan."""
@@ -72,10 +80,14 @@ class GrpcBackend:
             md.append(("x-planner-fallbacks", str(fallbacks)))
         return md
 
-    def _call(self, method: str, message: Any, timeout_s: float, fallbacks: int = 0) -> Any:
+    def _call(self, method: str, message: Any, timeout_s: float, fallbacks: int = 0,
+              service: str = "Planner") -> Any:
+        """``method`` of the Planner (or GlobalBatches) service; gRPC errors become
+        ServiceError (UNAVAILABLE and CANCELLED: ``unavailable``)."""
+        stub = self._get_stub() if service == "Planner" else self._get_global_stub()
         try:
-            return getattr(self._get_stub(), method)(message, timeout=timeout_s,
-                                                     metadata=self._metadata(fallbacks))
+            return getattr(stub, method)(message, timeout=timeout_s,
+                                         metadata=self._metadata(fallbacks))
         except grpc.RpcError as exc:
             code = exc.code()  # type: ignore[attr-defined]
             trailers = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
@@ -86,9 +98,9 @@ class GrpcBackend:
                                retry_after_s=float(retry) if retry else None) from None
 
     @staticmethod
-    def _result(reply: Any) -> ServiceResult:
-        return ServiceResult(reply.plan_json.decode(), reply.plan_id, reply.solve_ms,
-                             reply.cached)
+    def _result(reply: Any) -> SolvedPlan:
+        return SolvedPlan(reply.plan_json.decode(), reply.plan_id, reply.strategy,
+                          reply.solve_ms, reply.cached)
 
     def _request(self, request: dict[str, Any]) -> Any:
         try:
@@ -98,7 +110,7 @@ class GrpcBackend:
                                field=exc.field if isinstance(exc, FieldError) else None) from None
 
     def plan(self, request: dict[str, Any], timeout_s: float, *, fallbacks: int = 0
-             ) -> ServiceResult:
+             ) -> SolvedPlan:
         return self._result(self._call("Plan", self._request(request), timeout_s, fallbacks))
 
     def compare(self, request: dict[str, Any], strategies: Sequence[str] | None,
@@ -121,13 +133,29 @@ class GrpcBackend:
         self._call("SubmitBatch", message, timeout_s, fallbacks)
 
     def fetch(self, job: str, batch: str, wait_s: float, timeout_s: float
-              ) -> ServiceResult | None:
+              ) -> SolvedPlan | None:
         message = self._pb2.GetBatchRequest(job=job, batch=batch, wait_ms=int(wait_s * 1e3))
         reply = self._call("GetBatch", message, timeout_s + wait_s)
         return None if reply.status == "pending" else self._result(reply.plan)
+
+    def submit_global(self, job: str, batch: str, request: dict[str, Any], timeout_s: float
+                      ) -> None:
+        self._call("SubmitGlobalBatch", self._pb2.SubmitGlobalBatchRequest(
+            job=job, batch=batch, request_json=json.dumps(request)), timeout_s,
+            service="GlobalBatches")
+
+    def fetch_global(self, job: str, batch: str, wait_s: float, timeout_s: float
+                     ) -> SolvedPlan | None:
+        reply = self._call("GetGlobalBatch", self._pb2.GetGlobalBatchRequest(
+            job=job, batch=batch, wait_ms=int(wait_s * 1e3)), timeout_s + wait_s,
+            service="GlobalBatches")
+        if reply.status == "pending":
+            return None
+        return SolvedPlan(reply.schedule_json.decode(), reply.schedule_id, SCHEDULE_LABEL,
+                          reply.solve_ms)
 
     def close(self) -> None:
         with self._lock:
             if self._channel is not None and self._pid == os.getpid():
                 self._channel.close()
-            self._channel = self._stub = None
+            self._channel = self._stub = self._global_stub = None

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from planner_service.client.base import ServiceError
+from planner_service.client.base import SCHEDULE_LABEL, ServiceError
 from planner_service.core.errors import FieldError
-from planner_service.solvers.registry import Solved, strategies_of_complexity, timed_solve
+from planner_service.core.solved import SolvedPlan
+from planner_service.solvers.registry import strategies_of_complexity, timed_solve
 
 FAST_STRATEGIES = strategies_of_complexity("linear", "heuristic")
 """Heuristics that plan a small request in milliseconds: fallbacks on small inputs."""
@@ -22,7 +24,7 @@ SMALL_DOC_RANKS = 2**16
 """... and documents x ranks at most this; larger inputs get BOUNDED_FALLBACK."""
 
 
-def solve_dict(request: dict[str, Any]) -> Solved:
+def solve_dict(request: dict[str, Any]) -> SolvedPlan:
     """Validate a JSON request like the service does and solve it here.
 
     Raises ServiceError with code '422' and the field for invalid input (found by the
@@ -34,6 +36,33 @@ def solve_dict(request: dict[str, Any]) -> Solved:
         return timed_solve(parse_plan_request(request, Limits.library()))
     except FieldError as exc:
         raise ServiceError("422", str(exc), field=exc.field) from None
+
+
+def solve_schedule_dict(request: dict[str, Any]) -> SolvedPlan:
+    """Validate a global batch (the body of ``PUT /v1/jobs/{job}/global-batches/{batch}``)
+    like the service does and schedule it here: the schedule's JSON and schedule_id in the
+    result's plan_json and plan_id, byte-identical to the service's (FCP is deterministic
+    and the stored form has no timings).
+
+    Raises ServiceError with code '422' and the field for invalid input.
+    """
+    from pydantic import ValidationError
+
+    from planner_service.service.schedule_wire import schedule_payload
+    from planner_service.service.schemas import ScheduleRequestIn, validation_message
+
+    try:
+        payload = ScheduleRequestIn.model_validate(request).model_dump()
+        start = time.perf_counter()
+        done = schedule_payload(payload)
+    except ValidationError as exc:
+        err = validation_message(exc)
+        raise ServiceError("422", str(err), field=err.field) from None
+    except ValueError as exc:  # as the service answers it (executor.solver_error)
+        field = exc.field if isinstance(exc, FieldError) else "body"
+        raise ServiceError("422", str(exc), field=field) from None
+    return SolvedPlan(done.schedule_json, done.schedule_id, SCHEDULE_LABEL,
+                      (time.perf_counter() - start) * 1e3)
 
 
 def prepare() -> None:

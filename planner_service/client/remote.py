@@ -8,20 +8,15 @@ from typing import Any, NamedTuple
 from planner_service.client.backends import make_backend
 from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
+from planner_service.core.solved import SolvedPlan
 
-
-class RemotePlan(NamedTuple):
-    strategy: str
-    plan: Plan
-    plan_json: str
-    """The service's canonical bytes (Plan.to_json() of ``plan``)."""
-    solve_ms: float
-    """Solve time on the server (for a cache hit: of the solve that made the plan)."""
-    cached: bool
+RemotePlan = SolvedPlan
+"""A service's plan: the core's SolvedPlan with the parsed plan (the name the client's API
+has exported)."""
 
 
 class RemoteComparison(NamedTuple):
-    results: list[RemotePlan]
+    results: list[SolvedPlan]
     errors: dict[str, str]
     """strategy -> why it gave no plan."""
 
@@ -36,7 +31,7 @@ def as_body(request: dict[str, Any] | PlanRequest) -> dict[str, Any]:
 
 
 def remote_plan(url: str, request: dict[str, Any] | PlanRequest, *, token: str | None = None,
-                timeout_s: float = 60.0) -> RemotePlan:
+                timeout_s: float = 60.0) -> SolvedPlan:
     """Ask the service at ``url`` for the plan of ``request`` (a /v1/plan body or a
     PlanRequest).
 
@@ -50,7 +45,7 @@ def remote_plan(url: str, request: dict[str, Any] | PlanRequest, *, token: str |
     finally:
         backend.close()
     plan = Plan.from_json(r.plan_json)
-    return RemotePlan(plan.strategy, plan, r.plan_json, r.solve_ms, r.cached)
+    return r._replace(strategy=plan.strategy, plan=plan)
 
 
 def remote_compare(url: str, request: dict[str, Any] | PlanRequest,
@@ -66,8 +61,6 @@ def remote_compare(url: str, request: dict[str, Any] | PlanRequest,
         out = backend.compare(as_body(request), strategies, timeout_s)
     finally:
         backend.close()
-    results = []
-    for name, r in out.results:
-        results.append(RemotePlan(name, Plan.from_json(r.plan_json), r.plan_json, r.solve_ms,
-                                  r.cached))
+    results = [r._replace(strategy=name, plan=Plan.from_json(r.plan_json))
+               for name, r in out.results]
     return RemoteComparison(results, out.errors)

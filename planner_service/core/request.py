@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 from planner_service.core.errors import FieldError
@@ -183,6 +183,20 @@ class PlanRequest:
 
     def with_strategy(self, strategy: str) -> PlanRequest:
         return replace(self, strategy=strategy)
+
+
+REQUEST_FIELDS = tuple(f.name for f in fields(PlanRequest))
+"""PlanRequest's fields, in declaration order: the one list of them (the HTTP schema, the
+proto message and their conversions follow it; tests/test_request_fields.py checks)."""
+REQUIRED_FIELDS = frozenset(f.name for f in fields(PlanRequest)
+                            if f.default is MISSING and f.default_factory is MISSING)
+"""The fields without a default (``doc_lengths``, ``cp_size``)."""
+WIRE_NAMES: Mapping[str, tuple[str, ...]] = {"mask": ("window", "layers")}
+"""Fields that travel under other names in the JSON body of ``POST /v1/plan`` and in the
+proto's PlanRequest: the mask as ``window`` (one window for every layer) or ``layers``
+(a mix). Every other field travels under its own name."""
+BODY_FIELDS = tuple(name for f in REQUEST_FIELDS for name in WIRE_NAMES.get(f, (f,)))
+"""The JSON body's fields of a plan request, in PlanRequest's order."""
 
 
 def debug_request(**changes: Any) -> PlanRequest:

@@ -25,10 +25,11 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from planner_service.core.errors import FieldError
 from planner_service.core.request import PlanRequest
+from planner_service.core.solved import SolvedPlan
 from planner_service.core.validate import PlanError
 from planner_service.service import test_hooks
 from planner_service.service.cost_gate import FAST, LANES, SLOW, request_cost
@@ -56,18 +57,6 @@ class DeadlineExceeded(Exception):
     """The answer was not ready within the request's deadline."""
 
 
-class SolveResult(NamedTuple):
-    plan_json: str
-    """Canonical JSON of the plan (Plan.to_json())."""
-    plan_id: str
-    strategy: str
-    solve_ms: float
-    """Wall time of the solve that made this plan (also for cache hits)."""
-    cached: bool
-    headline: dict[str, Any]
-    """A few plan metrics (PlanMetrics of the proto) without parsing plan_json."""
-
-
 def solver_error(exc: BaseException) -> BaseException:
     """A solver's exception as callers see it: an expired task is DeadlineExceeded; a
     ValueError the core raised without a field (every request check raises FieldError) is
@@ -86,7 +75,7 @@ class _Solve:
 
     raw: asyncio.Future[Any]
     """The pool's future (its cancellation stops the solver process)."""
-    result: asyncio.Future[SolveResult]
+    result: asyncio.Future[SolvedPlan]
     waiters: int = 0
     started: float = 0.0
     """Loop time of its admission (times the thread mode's failed solves)."""
@@ -111,7 +100,7 @@ class Executor:
         self._client_slow: dict[str, int] = {}
         """client -> its slow-lane solves admitted and not finished."""
         self._inflight: dict[str, _Solve] = {}
-        self._cache: OrderedDict[str, SolveResult] = OrderedDict()
+        self._cache: OrderedDict[str, SolvedPlan] = OrderedDict()
         self._cache_bytes = 0
         self._ewma_solve_s = 0.005
         metrics.queue_capacity.set(self.capacity)
@@ -121,7 +110,8 @@ class Executor:
     def _make_pool(self) -> WorkerPool | cf.ThreadPoolExecutor:
         if self.workers == 0:
             return cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner-solve")
-        pool = WorkerPool(self.workers, reserved=self.fast_workers, observer=self._observe)
+        pool = WorkerPool(self.workers, reserved=self.fast_workers, observer=self._observe,
+                          setup=test_hooks.install if self.settings.test_hooks else None)
         pool.start()
         return pool
 
@@ -132,7 +122,8 @@ class Executor:
 
     async def start(self) -> None:
         """Start the workers and run one warm-up task on each (concurrently)."""
-        test_hooks.install()
+        if self.settings.test_hooks:
+            test_hooks.install()
         self._pool = self._make_pool()
         size = max(1, self.workers) + self.fast_workers
         pids = await asyncio.gather(*(self._submit(warm_worker, timeout_s=WARM_TIMEOUT_S,
@@ -252,10 +243,12 @@ class Executor:
     # ---- plans ------------------------------------------------------------------------
 
     def submit(self, request: PlanRequest, key: str, timeout_s: float | None = None,
-               client: str = "") -> asyncio.Future[SolveResult]:
+               client: str = "") -> asyncio.Future[SolvedPlan]:
         """Start (or join, or answer from cache) the solve of ``request``, to run at most
         ``timeout_s`` (default: :meth:`timeout_for`) from now.
 
+        ``request`` has passed ``registry.checked_strategy`` (PlannerService.request; a
+        comparison's ``compared_options``): the solver process does not check it again.
         ``key`` is its content hash (schemas.request_key). Every call counts one waiter;
         call :meth:`release` when no longer waiting (the solve stops when the last waiter
         leaves). A caller that never releases (the job store) keeps it to its deadline.
@@ -268,7 +261,7 @@ class Executor:
         if hit is not None:
             self._cache.move_to_end(key)
             self.metrics.cache_hits.inc()
-            done: asyncio.Future[SolveResult] = loop.create_future()
+            done: asyncio.Future[SolvedPlan] = loop.create_future()
             done.set_result(hit._replace(cached=True))
             return done
         joined = self._inflight.get(key)
@@ -287,7 +280,7 @@ class Executor:
         raw.add_done_callback(lambda f: self._finish(key, request.strategy, entry))
         return entry.result
 
-    def release(self, key: str, future: asyncio.Future[SolveResult]) -> None:
+    def release(self, key: str, future: asyncio.Future[SolvedPlan]) -> None:
         """One waiter of ``future`` (from :meth:`submit`) stopped waiting; the last one
         leaving an unfinished solve stops it (process pool only: a thread cannot be)."""
         entry = self._inflight.get(key)
@@ -316,15 +309,14 @@ class Executor:
             result.set_exception(solver_error(exc))
             result.exception()  # mark retrieved: nobody may be waiting any more
             return
-        plan_json, plan_id, solve_ms, headline = raw.result()
-        solved = SolveResult(plan_json, plan_id, strategy, solve_ms, False, headline)
-        self._ewma_solve_s = 0.9 * self._ewma_solve_s + 0.1 * solve_ms / 1e3
+        solved: SolvedPlan = raw.result()
+        self._ewma_solve_s = 0.9 * self._ewma_solve_s + 0.1 * solved.solve_ms / 1e3
         if threaded:
-            self._observe(strategy, solve_ms / 1e3, "ok")
+            self._observe(strategy, solved.solve_ms / 1e3, "ok")
         self._remember(key, solved)
         result.set_result(solved)
 
-    def _remember(self, key: str, solved: SolveResult) -> None:
+    def _remember(self, key: str, solved: SolvedPlan) -> None:
         """Cache a plan, evicting least recently used ones beyond PLANNER_CACHE_SIZE
         entries or PLANNER_CACHE_MB bytes; a plan larger than the byte bound is not kept."""
         size = len(solved.plan_json)
@@ -351,7 +343,7 @@ class Executor:
         return cap if requested_s is None or requested_s <= 0 else min(cap, requested_s)
 
     async def solve(self, request: PlanRequest, key: str,
-                    timeout_s: float | None = None, client: str = "") -> SolveResult:
+                    timeout_s: float | None = None, client: str = "") -> SolvedPlan:
         """Submit and wait up to the deadline; raises Overloaded, DeadlineExceeded,
         FieldError or PlanError. Cancelling the caller stops the solve if nobody else
         waits for it."""

@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from planner_service.core.errors import FieldError
-from planner_service.service.executor import SolveResult, solver_error
+from planner_service.core.solved import SolvedPlan
+from planner_service.service.executor import solver_error
 from planner_service.service.jobs import BatchEntry, JobStore, check_id
 from planner_service.service.ops import PlannerService
 from planner_service.service.schedule_wire import ScheduleJson, request_hash, schedule_payload
@@ -39,7 +40,7 @@ from planner_service.service.schemas import (
 
 STRATEGY_LABEL = "fcp"
 JSON = "application/json"
-ERROR_CODES = (404, 409, 413, 422, 429, 501, 503, 504)
+ERROR_CODES = (404, 409, 413, 422, 429, 503, 504)
 
 
 class GlobalBatchStatusOut(BaseModel):
@@ -81,9 +82,9 @@ class GlobalJobs:
         return self.store.submit(job, batch, key, lambda: self._start(payload, client),
                                  client=client)
 
-    def _start(self, payload: dict[str, Any], client: str) -> asyncio.Future[SolveResult]:
+    def _start(self, payload: dict[str, Any], client: str) -> asyncio.Future[SolvedPlan]:
         raw = self.svc.executor.start_call(schedule_payload, payload, client=client)
-        result: asyncio.Future[SolveResult] = asyncio.get_running_loop().create_future()
+        result: asyncio.Future[SolvedPlan] = asyncio.get_running_loop().create_future()
 
         def finish(f: asyncio.Future[tuple[ScheduleJson, float]]) -> None:
             if f.cancelled():
@@ -95,8 +96,8 @@ class GlobalJobs:
                 result.exception()  # mark retrieved: nobody may be waiting any more
                 return
             done, ms = f.result()
-            result.set_result(SolveResult(done.schedule_json, done.schedule_id, STRATEGY_LABEL,
-                                          ms, False, {}))
+            result.set_result(SolvedPlan(done.schedule_json, done.schedule_id, STRATEGY_LABEL,
+                                         ms))
 
         raw.add_done_callback(finish)
         return result
@@ -143,7 +144,7 @@ def _parse(raw: bytes | str, svc: PlannerService) -> ScheduleRequestIn:
 
 def add_routes(app: FastAPI, svc: PlannerService) -> None:
     """``PUT/GET /v1/jobs/{job}/global-batches/{batch}`` (errors through the app's
-    handlers: 422, 404, 409, 429, 501, 504)."""
+    handlers: 422, 404, 409, 429, 504)."""
     jobs = global_jobs(svc)
 
     @app.put("/v1/jobs/{job}/global-batches/{batch}", status_code=202, tags=["jobs"],

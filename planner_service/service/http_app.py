@@ -18,9 +18,10 @@ from pydantic import BaseModel, ValidationError
 
 from planner_service.core.errors import FieldError
 from planner_service.core.plan import canonical_json
+from planner_service.core.solved import SolvedPlan
 from planner_service.core.validate import PlanError
 from planner_service.service import global_jobs
-from planner_service.service.executor import DeadlineExceeded, Overloaded, SolveResult
+from planner_service.service.executor import DeadlineExceeded, Overloaded
 from planner_service.service.jobs import BatchEntry, Conflict, NotFound
 from planner_service.service.middleware import AuthAndLimits
 from planner_service.service.ops import PlannerService, sample_lengths
@@ -42,7 +43,7 @@ from planner_service.service.settings import Settings, load_settings
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 JSON = "application/json"
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorOut} for code in (401, 404, 409, 413, 415, 422, 429, 501, 503, 504)}
+    code: {"model": ErrorOut} for code in (401, 404, 409, 413, 415, 422, 429, 503, 504)}
 DeadlineHeader = Annotated[int | None, Header(alias="X-Planner-Deadline-Ms", ge=1,
                                               le=3_600_000)]
 FallbackHeader = Annotated[str | None, Header(alias="X-Planner-Fallbacks")]
@@ -72,7 +73,7 @@ def error(status: int, message: str, field: str | None = None,
                         status_code=status, headers=headers)
 
 
-def plan_response(result: SolveResult, status: int = 200) -> Response:
+def plan_response(result: SolvedPlan, status: int = 200) -> Response:
     return Response(result.plan_json, status_code=status, media_type=JSON, headers={
         "Server-Timing": f"solve;dur={result.solve_ms:.3f}",
         "X-Plan-Id": result.plan_id,

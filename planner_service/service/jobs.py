@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner_service.core.errors import FieldError
-from planner_service.service.executor import DeadlineExceeded, SolveResult, wait_for
+from planner_service.core.solved import SolvedPlan
+from planner_service.service.executor import DeadlineExceeded, wait_for
 from planner_service.service.metrics import ServiceMetrics
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
@@ -51,7 +52,7 @@ class BatchEntry:
     batch: str
     key: str
     """Content hash of the request (schemas.request_key)."""
-    future: asyncio.Future[SolveResult]
+    future: asyncio.Future[SolvedPlan]
     deadline: float
     """Monotonic time after which a pending batch is reported as failed."""
     finished_at: float | None = None
@@ -81,6 +82,21 @@ class JobStore:
                  clock: Callable[[], float] = time.monotonic,
                  max_jobs_per_client: int | None = None,
                  max_client_bytes: int | None = None, store: str = "plans") -> None:
+        """A store bounded by the operator's settings.
+
+        Args:
+            ttl_s: finished batches are dropped this long after they finish.
+            max_jobs: jobs held at once; the least recently used one is evicted beyond it.
+            max_batches_per_job: batches kept per job; its oldest are evicted beyond it.
+            memory_bytes: bound on the answer bytes held; oldest finished batches go first.
+            deadline_s: how long a batch may stay pending.
+            metrics: the service's metrics (job gauges and evictions).
+            clock: the time source (monotonic seconds; tests move it).
+            max_jobs_per_client: jobs one client may hold (None: ``max_jobs``).
+            max_client_bytes: answer bytes one client's finished batches may hold (None:
+                ``memory_bytes``).
+            store: the ``store`` label of the metrics (plans or global).
+        """
         self.ttl_s = ttl_s
         self.max_jobs = max_jobs
         self.max_batches_per_job = max_batches_per_job
@@ -119,7 +135,7 @@ class JobStore:
         return self._bytes
 
     def submit(self, job: str, batch: str, key: str,
-               start: Callable[[], asyncio.Future[SolveResult]], client: str = ""
+               start: Callable[[], asyncio.Future[SolvedPlan]], client: str = ""
                ) -> tuple[BatchEntry, bool]:
         """Register a batch and start its solve with ``start()``; returns (entry, created).
 

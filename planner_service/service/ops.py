@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from planner_service.core.errors import FieldError
 from planner_service.core.request import PlanRequest
+from planner_service.core.solved import SolvedPlan
 from planner_service.service import fcp_bridge
 from planner_service.service.cost_gate import (
     FAST,
@@ -24,12 +25,7 @@ from planner_service.service.cost_gate import (
     plan_bytes_bound,
     request_cost,
 )
-from planner_service.service.executor import (
-    DeadlineExceeded,
-    Executor,
-    Overloaded,
-    SolveResult,
-)
+from planner_service.service.executor import DeadlineExceeded, Executor, Overloaded
 from planner_service.service.jobs import BatchEntry, JobStore
 from planner_service.service.metrics import ServiceMetrics
 from planner_service.service.profiles import ProfileCatalog
@@ -60,7 +56,7 @@ a client cannot inflate the counter (and fire alerts) faster than it sends reque
 
 
 class StrategyComparison(NamedTuple):
-    results: list[SolveResult]
+    results: list[SolvedPlan]
     """One per strategy that gave a plan, in the order asked for."""
     errors: dict[str, str]
     """strategy -> why it gave no plan."""
@@ -161,7 +157,7 @@ class PlannerService:
         return replace(request, options=options)
 
     async def plan(self, body: PlanRequestIn, timeout_s: float | None = None,
-                   client: str = "") -> SolveResult:
+                   client: str = "") -> SolvedPlan:
         """Solve one request; raises FieldError, Overloaded, DeadlineExceeded, PlanError."""
         request, key = self.request(body)
         return await self.executor.solve(request, key, timeout_s, client)
@@ -178,7 +174,7 @@ class PlannerService:
         compared_options(names, body.options)
         base = self._with_profile(to_plan_request(body, self.limits, strategy=names[0]))
         deadline = self.executor.timeout_for(timeout_s, base)
-        submitted: list[tuple[str, asyncio.Future[SolveResult]]] = []
+        submitted: list[tuple[str, asyncio.Future[SolvedPlan]]] = []
         refused: dict[str, str] = {}
         try:
             for name, options in compared_options(names, base.options).items():
@@ -197,11 +193,11 @@ class PlannerService:
         finally:  # every solve this call started stops with it (deadline or cancel)
             for key, future in submitted:
                 self.executor.release(key, future)
-        results: list[SolveResult] = []
+        results: list[SolvedPlan] = []
         errors = dict(refused)
         solved = [name for name in names if name not in refused]
         for name, outcome in zip(solved, outcomes, strict=True):
-            if isinstance(outcome, SolveResult):
+            if isinstance(outcome, SolvedPlan):
                 results.append(outcome)
             elif isinstance(outcome, (TimeoutError, DeadlineExceeded)):
                 errors[name] = f"no plan within the deadline of {deadline:g} s"
@@ -294,8 +290,7 @@ class PlannerService:
                 min(count, MAX_REPORTED_FALLBACKS))
 
 
-__all__ = ["DeadlineExceeded", "Overloaded", "StrategyComparison",
-           "PlannerService", "SolveResult"]
+__all__ = ["DeadlineExceeded", "Overloaded", "StrategyComparison", "PlannerService"]
 
 
 def sample_lengths(dataset: str, context_length: int, seed: int) -> list[int]:

@@ -97,9 +97,13 @@ SLOW_NICE = 10
 the reserved fast-lane process and the event loop the CPU first when cores are short."""
 
 
-def worker_main(conn: Connection, parent_pid: int, nice: int = 0) -> None:
-    """Loop: receive (task id, fn, args), answer (task id, ok, result or exception)."""
+def worker_main(conn: Connection, parent_pid: int, nice: int = 0,
+                setup: Callable[[], None] | None = None) -> None:
+    """Loop: receive (task id, fn, args), answer (task id, ok, result or exception);
+    ``setup()`` runs once before the first task."""
     watch_parent(parent_pid)
+    if setup is not None:
+        setup()
     if nice:
         try:
             os.nice(nice)
@@ -166,11 +170,15 @@ class WorkerPool:
     """
 
     def __init__(self, workers: int, reserved: int = 0,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None,
+                 setup: Callable[[], None] | None = None) -> None:
+        """``setup``: a picklable function each solver process runs once as it starts
+        (the test hooks; None: nothing)."""
         assert workers >= 1 and reserved >= 0
         self.size = workers + reserved
         self.reserved = reserved
         self.observer = observer
+        self.setup = setup
         self._ctx = pool_context()
         self._workers: list[_Worker] = []
         self._idle: deque[_Worker] = deque()
@@ -192,7 +200,8 @@ class WorkerPool:
         assert self._loop is not None
         ours, theirs = self._ctx.Pipe(duplex=True)
         nice = 0 if reserved or not self.reserved else SLOW_NICE
-        process = self._ctx.Process(target=worker_main, args=(theirs, os.getpid(), nice),
+        process = self._ctx.Process(target=worker_main,
+                                    args=(theirs, os.getpid(), nice, self.setup),
                                     name="planner-solver", daemon=True)
         process.start()
         theirs.close()

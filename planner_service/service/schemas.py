@@ -26,6 +26,8 @@ from planner_service.core.request import (
     MAX_CP_SIZE,
     MAX_FCP_RANKS,
     MAX_TOKENS,
+    REQUEST_FIELDS,
+    WIRE_NAMES,
     PlanRequest,
     check_time_limit,
 )
@@ -339,17 +341,15 @@ def to_plan_request(body: PlanRequestIn, limits: Limits, *, strategy: str | None
     if "time_limit_s" in body.options:  # a strategy's own limit, within the operator's
         check_time_limit(body.options["time_limit_s"], "options.time_limit_s",
                          limits.max_time_limit_s, "PLANNER_MAX_TIME_LIMIT_S")
-    model = ModelSpec(**body.model.model_dump(exclude_none=True)) if body.model else ModelSpec()
-    mask = parse_mask(window=body.window, layers=body.layers,
-                      has_window="window" in body.model_fields_set)
-    return PlanRequest(
-        doc_lengths=tuple(body.doc_lengths), cp_size=body.cp_size,
-        strategy=strategy or body.strategy, context_length=body.context_length,
-        truncate=body.truncate, imbalance_target=body.imbalance_target,
-        comm_mode=body.comm_mode, model=model, kernel=body.kernel, link=body.link,
-        options=dict(body.options), max_kv_tokens_per_rank=body.max_kv_tokens_per_rank,
-        mask=mask,
-    )
+    values = {name: getattr(body, name) for name in REQUEST_FIELDS if name not in WIRE_NAMES}
+    values.update(
+        doc_lengths=tuple(body.doc_lengths), strategy=strategy or body.strategy,
+        model=ModelSpec(**body.model.model_dump(exclude_none=True)) if body.model
+        else ModelSpec(),
+        options=dict(body.options),
+        mask=parse_mask(window=body.window, layers=body.layers,
+                        has_window="window" in body.model_fields_set))
+    return PlanRequest(**values)
 
 
 def check_shards(docs: int, ranks: int, limits: Limits, field: str) -> None:
@@ -376,15 +376,12 @@ def request_dict(request: PlanRequest) -> dict[str, Any]:
     """Every field of a core request, defaults included, as JSON-able data; but
     ``max_kv_tokens_per_rank`` only when set and the mask (``layers``) only when not causal,
     so a request without them keeps its content hash (``request_key``)."""
-    data = {
-        "doc_lengths": list(request.doc_lengths), "cp_size": request.cp_size,
-        "strategy": request.strategy, "context_length": request.context_length,
-        "truncate": request.truncate, "imbalance_target": request.imbalance_target,
-        "comm_mode": request.comm_mode, "model": request.model.to_dict(),
-        "kernel": request.kernel, "link": request.link, "options": dict(request.options),
-    }
-    if request.max_kv_tokens_per_rank is not None:
-        data["max_kv_tokens_per_rank"] = request.max_kv_tokens_per_rank
+    data: dict[str, Any] = {name: getattr(request, name) for name in REQUEST_FIELDS
+                            if name not in WIRE_NAMES}
+    data.update(doc_lengths=list(request.doc_lengths), model=request.model.to_dict(),
+                options=dict(request.options))
+    if request.max_kv_tokens_per_rank is None:
+        del data["max_kv_tokens_per_rank"]
     if request.mask != CAUSAL:
         data["layers"] = request.mask.to_list()
     return data

@@ -121,6 +121,10 @@ class Settings(BaseSettings):
     """On SIGTERM: readiness turns false, then in-flight requests get this long to finish."""
     log_level: str = "info"
     """Log level of the server (debug, info, warning, error)."""
+    test_hooks: bool = False
+    """Register the test strategy ``test_hang`` (service/test_hooks.py) in the server and
+    its solver processes, once at start: for the tests of deadlines and shutdown, which
+    run the server as a child process. Never set it in production."""
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

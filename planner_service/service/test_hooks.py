@@ -1,14 +1,17 @@
-"""Test-only hooks, off unless ``PLANNER_TEST_HOOKS=1`` is in the server's environment.
+"""Test-only hooks, off unless the setting ``PLANNER_TEST_HOOKS=1`` is in the server's
+environment (read once, with the other settings, at start).
 
-With the variable set, :func:`install` registers the strategy ``test_hang``: it sleeps for
-``options.seconds`` (default an hour) and then plans like ``ring``. It is a solver that
-is guaranteed slow, so the tests of deadlines, cancellation, readiness and shutdown do not
-depend on any real solver staying slow on some input. Never set the variable in production.
+With the setting on, the executor calls :func:`install` once in the server process and
+once in each solver process as it starts: it registers the strategy ``test_hang``, which
+sleeps for ``options.seconds`` (default an hour) and then plans like ``ring``. It is a
+solver that is guaranteed slow, so the tests of deadlines, cancellation, readiness and
+shutdown do not depend on any real solver staying slow on some input. They run the
+server as a child process (``planner serve``), so the hook lives in the product, behind
+the setting. Never set it in production.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 
@@ -16,12 +19,7 @@ from planner_service.core.build import Layout
 from planner_service.core.errors import FieldError
 from planner_service.core.request import PlanRequest
 
-ENV = "PLANNER_TEST_HOOKS"
 HANG = "test_hang"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "") == "1"
 
 
 def hang_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
@@ -38,9 +36,8 @@ def hang_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
 
 
 def install() -> None:
-    """Register the test strategies in this process if the hooks are enabled (idempotent)."""
-    if not enabled():
-        return
+    """Register the test strategies in this process (idempotent); the caller checks the
+    setting (Settings.test_hooks)."""
     from planner_service.solvers.registry import STRATEGIES, Strategy, add_test_strategy
 
     if HANG not in STRATEGIES:

@@ -11,7 +11,7 @@ from typing import Any
 
 from planner_service.core.errors import FieldError
 from planner_service.core.request import PlanRequest, debug_request
-from planner_service.service import test_hooks
+from planner_service.core.solved import SolvedPlan
 from planner_service.solvers.registry import strategies_of_complexity, timed_solve
 
 WARM_STRATEGIES = tuple(sorted(strategies_of_complexity("linear", "heuristic")))
@@ -20,29 +20,28 @@ WARM_TIMEOUT_S = 120.0
 """Deadline of one worker's warm-up (imports and one small solve per fast strategy)."""
 
 
-def solve_in_worker(request: PlanRequest, max_plan_bytes: int | None = None
-                    ) -> tuple[str, str, float, dict[str, Any]]:
-    """Solve and serialise in the worker, so the event loop only moves a string.
+def solve_in_worker(request: PlanRequest, max_plan_bytes: int | None = None) -> SolvedPlan:
+    """Solve and serialise in the worker, so the event loop only moves a string (the
+    result carries the plan's JSON and headline metrics, not the parsed plan).
 
     Raises FieldError (``cp_size``) when the plan's JSON is above ``max_plan_bytes``.
     """
-    test_hooks.install()
-    solved = timed_solve(request)
+    solved = timed_solve(request, admitted=True)  # ops.PlannerService.request checked it
+    assert solved.plan is not None
     m = solved.plan.metrics
     headline = {"imbalance": m.imbalance, "comm_tokens": m.comm_tokens,
                 "full_comm_tokens": m.full_comm_tokens, "comm_saving": m.comm_saving,
                 "est_step_ms": m.est_step_ms, "tokens_per_rank": m.tokens_per_rank}
-    text = solved.plan.to_json()
+    text = solved.plan_json
     if max_plan_bytes is not None and len(text) > max_plan_bytes:
         raise FieldError("cp_size", f"cp_size: the plan is {len(text)} bytes of JSON, above "
                          f"the limit {max_plan_bytes} (PLANNER_MAX_PLAN_BYTES); use fewer "
                          "ranks or documents, or a strategy that splits fewer documents")
-    return text, solved.plan.plan_id, solved.solve_ms, headline
+    return solved.wire()._replace(headline=headline)
 
 
 def warm_worker() -> int:
     """Import the solvers and run each fast strategy once, so first requests are fast."""
-    test_hooks.install()
     for strategy in WARM_STRATEGIES:
         timed_solve(debug_request(strategy=strategy))
     return os.getpid()
@@ -52,7 +51,6 @@ def call_in_worker(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """Run ``fn(*args)`` and time it (used for FCP scheduling)."""
     import time
 
-    test_hooks.install()
     start = time.perf_counter()
     out = fn(*args)
     return out, (time.perf_counter() - start) * 1e3

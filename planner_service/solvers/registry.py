@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from planner_service.core.build import Layout, build_plan
 from planner_service.core.errors import FieldError
 from planner_service.core.plan import Plan
 from planner_service.core.request import PlanRequest
+from planner_service.core.solved import SolvedPlan
 from planner_service.core.validate import validate_plan
 from planner_service.solvers.baselines import llama3_layout, per_doc_layout, ring_layout
 from planner_service.solvers.contiguous_halo import contiguous_halo_layout
@@ -271,23 +272,35 @@ def prepare(name: str) -> None:
         strategy.load()
 
 
-def solve(request: PlanRequest, *, check: bool = True) -> Plan:
+def solve(request: PlanRequest, *, check: bool = True, admitted: bool = False) -> Plan:
     """Plan one request: truncate explicitly if asked, run the strategy, measure, validate.
 
     With ``max_kv_tokens_per_rank`` set, the plan's info records it, and a plan over it is
     refused here whatever the strategy (``kv_bound.check_plan``: the baselines' plans do
     not depend on the bound; flashcp, ilp, fcp and auto hold it themselves).
 
+    Args:
+        request: the request (its fields checked by PlanRequest itself).
+        check: validate the plan (``validate_plan``) before returning it.
+        admitted: the caller has run ``checked_strategy`` on this request already (the
+            service's edge, before admission), so the strategy is looked up, not checked
+            again; and the self-check takes the metrics ``build_plan`` just computed
+            (``validate_plan(metrics=False)``), so the step-time model runs once per
+            solve. False (the library): both checked here, the metrics recomputed.
+
+    Returns:
+        The plan (canonical, measured, content-hashed).
+
     Raises FieldError for bad input (unknown strategy, bad options, a KV bound below what
     the strategy can meet: ``kv_bound.KvBoundError``) and PlanError if the strategy
     produced an invalid plan (a bug; ``check=False`` skips that self-check).
     """
     with paused_gc():  # the solve's garbage goes by reference counting (gc_pause.py)
-        return _solve(request, check)
+        return _solve(request, check, admitted)
 
 
-def _solve(request: PlanRequest, check: bool) -> Plan:
-    strategy = checked_strategy(request)
+def _solve(request: PlanRequest, check: bool, admitted: bool) -> Plan:
+    strategy = get_strategy(request.strategy) if admitted else checked_strategy(request)
     doc_lengths, truncated = request.packed()
     layout = strategy.solver(doc_lengths, request)
     if not request.mask.is_causal and strategy.name in CAUSAL_BALANCERS:
@@ -311,18 +324,15 @@ def _solve(request: PlanRequest, check: bool) -> Plan:
     )
     check_plan(plan, request.max_kv_tokens_per_rank)
     if check:
-        validate_plan(plan)
+        validate_plan(plan, metrics=not admitted)
     return plan
 
 
-class Solved(NamedTuple):
-    plan: Plan
-    solve_ms: float
-    """Wall time of ``solve``; kept outside the plan so plans stay byte-identical."""
-
-
-def timed_solve(request: PlanRequest, *, check: bool = True) -> Solved:
+def timed_solve(request: PlanRequest, *, check: bool = True, admitted: bool = False
+                ) -> SolvedPlan:
+    """``solve`` (the same arguments) and its wall time (ms, kept outside the plan so
+    plans stay byte-identical); the result holds the plan and its canonical JSON."""
     start = time.perf_counter()
-    plan = solve(request, check=check)
-    return Solved(plan, (time.perf_counter() - start) * 1e3)
+    plan = solve(request, check=check, admitted=admitted)
+    return SolvedPlan.of(plan, (time.perf_counter() - start) * 1e3)
 

@@ -205,9 +205,17 @@ def canonical_ranks(blocks: Blocks, ranks: Sequence[int], num_ranks: int) -> lis
     return [label[r] for r in ranks]
 
 
-def placement_values(
-    blocks: Blocks, ranks: Sequence[int], num_ranks: int
-) -> tuple[list[int], list[int], list[int]]:
+class PlacementValues(NamedTuple):
+    """Per-rank figures of a block placement."""
+
+    tokens: list[int]
+    loads: list[int]
+    """Causal workload."""
+    recv: list[int]
+    """KV tokens received."""
+
+
+def placement_values(blocks: Blocks, ranks: Sequence[int], num_ranks: int) -> PlacementValues:
     """Per-rank tokens, workload and received KV of a block placement, computed the
     way the model defines them (used for hints and checks)."""
     tokens = [0] * num_ranks
@@ -224,7 +232,7 @@ def placement_values(
             for r in range(num_ranks):
                 if needed[r] and r != rank:
                     recv[r] += length
-    return tokens, loads, recv
+    return PlacementValues(tokens, loads, recv)
 
 
 def add_hint(bm: BlockModel, blocks: Blocks, ranks: Sequence[int], num_ranks: int) -> None:

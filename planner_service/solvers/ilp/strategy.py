@@ -216,7 +216,7 @@ def solve_blocks(
             return bm
 
         def comm_of(ranks: list[int]) -> int:
-            return max(placement_values(blocks, ranks, n)[2])
+            return max(placement_values(blocks, ranks, n).recv)
 
         if hint_ok:
             assert cap is not None
@@ -245,7 +245,7 @@ def solve_blocks(
     first = cpsat.run(bm, bm.work_max, budget / 2, cp)
     if first.ranks is None:
         return _finish(blocks, n, first, hint, max(hint_loads), max(hint_loads),
-                       lambda ranks: max(placement_values(blocks, ranks, n)[1]), first.deterministic)
+                       lambda ranks: max(placement_values(blocks, ranks, n).loads), first.deterministic)
     best_work = first.value
     bm = model(extra_work_cap=best_work)
     add_hint(bm, blocks, first.ranks, n)
@@ -256,7 +256,7 @@ def solve_blocks(
     return IlpResult(
         shards=block_shards(blocks, ranks, n),
         status=_status_name(status),
-        objective_value=max(placement_values(blocks, ranks, n)[1]),  # <= best_work
+        objective_value=max(placement_values(blocks, ranks, n).loads),  # <= best_work
         best_bound=first.bound,
         num_blocks=len(blocks.blocks),
         hint_value=max(hint_loads),
