@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from planner_service.core.cost import comm_volumes, doc_workload, rank_workloads
 from planner_service.solvers.flashcp import flashcp_shards
-from planner_service.solvers.ilp import IlpOptions, head_docs, solve_blocks, workload_cap
+from planner_service.solvers.ilp import TUNING, IlpOptions, head_docs, solve_blocks, workload_cap
 from planner_service.solvers.ilp.blocks import Blocks, block_shards, cut_blocks, layout_cuts
 
 HEADS = 2
@@ -135,3 +136,19 @@ def test_ilp_equals_brute_force_optimum(instance):
     assert comm.objective_value == comm.best_bound == expected.comm
     assert max(comm_volumes(comm.shards).alltoallv_recv) == expected.comm
     assert max(rank_workloads(comm.shards)) * n <= target * sum(map(doc_workload, doc_lengths))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(tiny_instances())
+def test_ilp_equals_brute_force_optimum_without_the_small_model_path(instance):
+    # Every instance above is a small model (Tuning.small_bools), closed by CP-SAT without
+    # cut rounds whatever the gap; with no model small the search takes the steps of a
+    # large one, which must reach the same optimum.
+    case = comm_case(instance)
+    doc_lengths, n, target, g = instance
+    assume(len(case.blocks.blocks) >= 4)
+    large = replace(TUNING, small_bools=0)
+    comm = solve_blocks(doc_lengths, n, target, options(g, "comm"), tuning=large)
+    assert comm.status == "OPTIMAL"
+    assert comm.objective_value == comm.best_bound == case.optimum

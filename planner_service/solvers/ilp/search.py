@@ -54,7 +54,8 @@ def ask(state: Search, v: int, build: Callable[[list[int]], BlockModel],
 
 
 def close(state: Search, build: Callable[[list[int]], BlockModel],
-          value_of: Callable[[list[int]], int], limit: float, cp: Cp) -> Search:
+          value_of: Callable[[list[int]], int], limit: float, cp: Cp, *,
+          small: bool = False) -> Search:
     """The least critical-path KV below the incumbent's, within ``limit`` deterministic
     seconds: the full model with ``bound <= comm_max < value``, minimised by CP-SAT's
     sequential search with the fullest linearisation (``cpsat.run``'s ``sequential``).
@@ -64,12 +65,15 @@ def close(state: Search, build: Callable[[list[int]], BlockModel],
     deterministic seconds, where the default search needs 2). Unhinted: the incumbent
     breaks ``comm_max < value``, and a sequential search has no use for an infeasible
     hint. INFEASIBLE proves the incumbent optimal; a placement found replaces it.
-    """
+    ``small``: a small model (``Tuning.small_bools``), solved without cut rounds at the
+    default linearisation (``cpsat.SMALL_CUT_LEVEL``, ``cpsat.SMALL_LINEARIZATION``;
+    the same proof at N = 4: about 0.1 deterministic seconds). Cost: one CP-SAT solve of
+    the full model, at most ``limit``."""
     bm = build(state.ranks)
     bm.model.ClearHints()
     bm.model.Add(bm.comm_max <= state.value - 1)
     bm.model.Add(bm.comm_max >= state.bound)
-    run = cpsat.run(bm, bm.comm_max, limit, cp, sequential=True)
+    run = cpsat.run(bm, bm.comm_max, limit, cp, sequential=True, small=small)
     state = state._replace(spent=state.spent + run.dtime,
                            deterministic=state.deterministic and run.deterministic)
     if run.status == "INFEASIBLE":
@@ -212,7 +216,10 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
 
     Between 2 and 3: where the gap is at most ``close_gap``, the least placement below
     the incumbent (``close``) with the whole rest of the limit: INFEASIBLE proves the
-    incumbent optimal, an OPTIMAL answer is the optimum; either ends the search.
+    incumbent optimal, an OPTIMAL answer is the optimum; either ends the search. A small
+    model (``Subproblems.small``) is closed without cut rounds, also at a larger gap
+    where the longest doc fits on a rank (in at most ``small_close_share``), and again
+    after the rank-group steps of 3 where the gap is then at most ``close_gap``.
 
     A step due after the wall-clock deadline (``cp.deadline``) is skipped (the models cost
     Python time to build even where CP-SAT would stop at once) and the result says it is
@@ -225,6 +232,10 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
         nonlocal skipped
         skipped = skipped or time.monotonic() >= cp.deadline
         return skipped
+
+    def near(state: Search) -> bool:  # the gap is at most ``close_gap``
+        return (state.value - state.bound) * t.close_gap.denominator \
+            <= t.close_gap.numerator * state.value
 
     state = progress("hint", Search(hint, value_of(hint), 0, 0.0, True))
     asked = subs.all_fit and state.value > 0
@@ -253,13 +264,17 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
             state, subs, max(t.fill_share * limit, t.fill_until * limit - state.spent), value_of,
             t.fill_gap))
     if state.bound < state.value and not late() and limit - state.spent > 1e-3 \
-            and (state.value - state.bound) * t.close_gap.denominator \
-            <= t.close_gap.numerator * state.value:
+            and (near(state) or subs.small and subs.fill_first):
+        share = limit - state.spent if near(state) else t.small_close_share * limit
         state = progress("below the incumbent", close(
-            state, build, value_of, limit - state.spent, cp))
+            state, build, value_of, min(share, limit - state.spent), cp, small=subs.small))
     if state.bound < state.value and not late():
         state = progress("rank groups", subs.group_search(
             state, t.search_share * limit, t.group_step_share * limit))
+    if subs.small and state.bound < state.value and near(state) and not late() \
+            and limit - state.spent > 1e-3:
+        state = progress("below the incumbent", close(
+            state, build, value_of, limit - state.spent, cp, small=True))
     if state.bound < state.value and (1 - t.bisect_share) * limit > state.spent + 1e-3 \
             and not late():
         bm = build(state.ranks)

@@ -67,6 +67,8 @@ class Subproblems:
         """Whether the longest doc fits on a rank (at most T tokens): then the relaxation
         is usually solved, and the bound and the fill question come before the rank-group
         steps (``search.solve_comm``)."""
+        self.small = len(blocks.blocks) * n <= cp.tuning.small_bools
+        """Whether the full model is small (``Tuning.small_bools``)."""
         self.all_fit = all(length <= tokens_cap and doc_workload(length) <= work_cap
                            for length in doc_lengths)
         """Whether every doc fits whole on a rank (tokens and workload): only then can
