@@ -48,6 +48,8 @@ class Priced(NamedTuple):
     weighted_imbalance: float
     causal_imbalance: float
     comm_per_layer: float
+    tokens_ratio: float
+    """Tokens per rank with padding over the mean real tokens per rank (1.0: no padding)."""
 
 
 def price(plan: Plan, mask: AttentionMask) -> Priced:
@@ -64,7 +66,9 @@ def price(plan: Plan, mask: AttentionMask) -> Priced:
         workloads += figures.workload
         causal += cost.rank_workloads_of(arrays)
         comm = max(comm, figures.comm_tokens)
-    return Priced(cost.imbalance(workloads), cost.imbalance(causal), comm / mask.num_layers)
+    mean_tokens = sum(plan.doc_lengths) / plan.cp_size
+    return Priced(cost.imbalance(workloads), cost.imbalance(causal), comm / mask.num_layers,
+                  plan.metrics.tokens_per_rank / mean_tokens if mean_tokens else 1.0)
 
 
 def main() -> None:
@@ -90,7 +94,7 @@ def main() -> None:
         f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f} at start.",
         "Masks: " + "; ".join(f"{name} `{text}`" for name, text in MASKS.items()) + ". "
         "Exchange: all-to-all-v KV tokens on the critical path, per layer (layer-weighted "
-        "mean). Exact counts from the plans, no timing; every strategy plans with the "
+        "mean). Tokens per rank: the plan's padded rank buffer over the mean real tokens per rank. Exact counts from the plans, no timing; every strategy plans with the "
         f"mask, and `{CAUSAL_PLAN}` is the plan of the same request without it.",
         "",
     ]
@@ -116,8 +120,9 @@ def main() -> None:
                     lines += [f"## {dataset}, {context} tokens, N = {n}, {name}, "
                               f"{len(sequences)} sequences", "",
                               "| strategy | weighted imbalance mean | weighted imbalance max "
-                              "| causal-layer imbalance mean | exchange per layer (mean) |",
-                              "|---|---|---|---|---|"]
+                              "| causal-layer imbalance mean | exchange per layer (mean) "
+                              "| tokens per rank / mean (mean, max) |",
+                              "|---|---|---|---|---|---|"]
                     mean_comm = {}
                     shown = [*strategies, CAUSAL_PLAN] if "flashcp" in strategies else strategies
                     for strategy in shown:
@@ -127,7 +132,9 @@ def main() -> None:
                         lines.append(
                             f"| {strategy} | {w.mean():.4f} | {w.max():.4f} | "
                             f"{np.mean([r.causal_imbalance for r in rows]):.4f} | "
-                            f"{mean_comm[strategy]:,.0f} |")
+                            f"{mean_comm[strategy]:,.0f} | "
+                            f"{np.mean([r.tokens_ratio for r in rows]):.2f}, "
+                            f"{max(r.tokens_ratio for r in rows):.2f} |")
                     if "flashcp" in strategies:
                         worst = max(r.weighted_imbalance for r in priced[(name, "flashcp")])
                         checks = [f"weighted imbalance max {worst:.4f} <= {IMBALANCE_TARGET}: "

@@ -14,9 +14,17 @@ offsets and holds one shard per document it touches.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Sequence
+from itertools import accumulate
 
+import numpy as np
+
+from planner_service.core import window_work as ww
 from planner_service.core.build import GroupLayout, Layout
+from planner_service.core.cost import imbalance
+from planner_service.core.mask import AttentionMask
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.common import doc_offsets, global_range_shards
 
@@ -33,3 +41,175 @@ def contiguous_halo_layout(doc_lengths: Sequence[int], request: PlanRequest) -> 
     bounds = range_bounds(offsets[-1], n)
     ranks = [global_range_shards(offsets, bounds[r], bounds[r + 1]) for r in range(n)]
     return Layout(groups=[GroupLayout(tuple(range(n)), ranks)], info={})
+
+
+class WeightedPrefix:
+    """The layer-weighted work ``P(c)`` of packed positions ``[0, c)`` under a mask, and
+    its inverse, in closed form.
+
+    Inside a document, position p's weighted work is ``sum_g count_g min(p + 1, W_g)``, so
+    the doc prefix ``P_d(p) = sum_g count_g w_g(p)`` with ``w(p) = p (p + 1) / 2`` up to W
+    and ``W (W + 1) / 2 + (p - W) W = W p - W (W - 1) / 2`` past it: between consecutive
+    windows ``Q p (p + 1) / 2 + B p + C`` (Q the layers still quadratic, B and C from the
+    rest), inverted by its root and corrected by a step. O(D G) to build, O(log D + log G)
+    a query.
+    """
+
+    def __init__(self, doc_lengths: Sequence[int], mask: AttentionMask) -> None:
+        self.lengths = list(doc_lengths)
+        self.offsets = doc_offsets(doc_lengths)
+        groups = [(g.layers, g.window) for g in mask.groups]
+        self.breaks = sorted({w for _, w in groups if w is not None})
+        # Piece j holds the p with exactly j windows at most p (p >= breaks[j - 1]).
+        self.pieces = []
+        for j in range(len(self.breaks) + 1):
+            below = self.breaks[j - 1] if j else 0
+            lin = [(c, w) for c, w in groups if w is not None and w <= below]
+            self.pieces.append((sum(c for c, w in groups if w is None or w > below),
+                                sum(c * w for c, w in lin),
+                                -sum(c * w * (w - 1) // 2 for c, w in lin)))
+        self.at_breaks = [self.doc_prefix(b) for b in self.breaks]
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        work = np.zeros_like(lengths)
+        arrays = _doc_arrays(np.zeros_like(lengths), lengths)
+        for count, window in groups:
+            work += count * ww.shard_window_workloads(arrays, window)
+        self.cum = [0, *accumulate(work.tolist())]
+        self.total = self.cum[-1]
+
+    def doc_prefix(self, p: int) -> int:
+        """``P_d(p)``: weighted pairs of a doc's first p positions (any doc). O(log G)."""
+        quad, lin, const = self.pieces[bisect.bisect_right(self.breaks, p)]
+        return quad * p * (p + 1) // 2 + lin * p + const
+
+    def at(self, c: int) -> int:
+        """``P(c)``. O(log D + log G)."""
+        d = bisect.bisect_right(self.offsets, c) - 1
+        if d >= len(self.lengths):
+            return self.total
+        return self.cum[d] + self.doc_prefix(c - self.offsets[d])
+
+    def doc_reach(self, value: int, length: int) -> int:
+        """The greatest p in [0, length] with ``P_d(p) <= value`` (value >= 0). O(log G)."""
+        j = bisect.bisect_right(self.at_breaks, value)
+        lo = self.breaks[j - 1] if j else 0
+        if lo >= length:
+            return length
+        quad, lin, const = self.pieces[j]
+        b = quad / 2 + lin
+        root = (value - const) / b if quad == 0 else (
+            -b + math.sqrt(b * b + 2 * quad * (value - const))) / quad
+        p = min(length, max(lo, int(root)))
+        while p < length and self.doc_prefix(p + 1) <= value:
+            p += 1
+        while p > lo and self.doc_prefix(p) > value:
+            p -= 1
+        return p
+
+    def reach(self, value: int) -> int:
+        """The greatest c with ``P(c) <= value``. O(log D + log G)."""
+        if value >= self.total:
+            return self.offsets[-1]
+        if value < 0:
+            return 0
+        d = bisect.bisect_right(self.cum, value) - 1
+        return self.offsets[d] + self.doc_reach(value - self.cum[d], self.lengths[d])
+
+
+def _doc_arrays(start: np.ndarray, end: np.ndarray) -> ww.cost.ShardArrays:
+    n = len(start)
+    idx = np.arange(n, dtype=np.int64)
+    return ww.cost.ShardArrays(idx, idx, start, end, np.arange(n + 1, dtype=np.int64))
+
+
+TAU_STEPS = 8
+"""Bisection steps on the largest cut position tau (``weighted_cuts``): tau to within
+``1 / 2^8`` of the first feasible cut's, the causal layers' exchange to within 0.4%."""
+
+
+def weighted_cuts(wp: WeightedPrefix, num_ranks: int, target: float,
+                  max_tokens: int | None = None) -> list[int]:
+    """The N + 1 global cut positions of a balanced contiguous layout of small exchange.
+
+    Every range's layer-weighted work is at most ``target`` times the mean (and its
+    tokens at most ``max_tokens``). A cut at doc position p (0 at a doc boundary) makes
+    the next rank receive p keys in causal layers and ``min(p, W - 1)`` in a window's, so
+    every window's critical-path exchange is set by the largest p. For a bound tau on it,
+    the greedy that puts each cut at the furthest position allowed (doc position at most
+    tau, the range's work and tokens within their limits) finds a feasible cut if any
+    exists; tau is bisected from the unbounded greedy's largest p down, ``TAU_STEPS``
+    steps. ``[]`` if no contiguous cut meets the target.
+    O(D G + TAU_STEPS N (log D + G)).
+    """
+    offsets, lengths = wp.offsets, wp.lengths
+    total, n = offsets[-1], num_ranks
+    limit = math.floor(target * wp.total / n)
+    cap = total if max_tokens is None else max_tokens
+
+    def greedy(tau: int) -> tuple[list[int], int] | None:
+        cuts, work, largest = [0], 0, 0
+        for _ in range(n - 1):
+            prev = cuts[-1]
+            c = min(wp.reach(work + limit), prev + cap)
+            if c < total:
+                d = bisect.bisect_right(offsets, c) - 1
+                c = max(prev, min(c, offsets[d] + tau))
+                largest = max(largest, c - offsets[d])
+            cuts.append(c)
+            work = wp.at(c)
+        if wp.total - work > limit or total - cuts[-1] > cap:
+            return None
+        cuts.append(total)
+        return cuts, largest
+
+    first = greedy(max(lengths, default=0))
+    if first is None:
+        return []
+    best, hi = first
+    lo = 0
+    for _ in range(TAU_STEPS):
+        if lo >= hi:
+            break
+        mid = (lo + hi) // 2
+        found = greedy(mid)
+        if found is None:
+            lo = mid + 1
+        else:
+            best, hi = found[0], found[1]
+    return best
+
+
+def contiguous_figures(wp: WeightedPrefix, cuts: Sequence[int],
+                       mask: AttentionMask) -> tuple[float, int]:
+    """(layer-weighted imbalance, layer-weighted all-to-all-v critical path) of the
+    contiguous layout with ``cuts``, in closed form: rank r's work is
+    ``P(c_{r+1}) - P(c_r)``, and it receives, in a layer of window W, ``min(p, W - 1)``
+    keys for the doc position p of its first token (p for a causal layer; nothing if it
+    holds no token). ``window_work.mask_figures_of`` on the layout gives the same. O(N (log D + G))."""
+    work = [wp.at(c) for c in cuts]
+    loads = [b - a for a, b in zip(work, work[1:])]
+    largest = 0
+    for r in range(len(cuts) - 1):
+        c = cuts[r]
+        if cuts[r + 1] > c:
+            largest = max(largest, c - wp.offsets[bisect.bisect_right(wp.offsets, c) - 1])
+    comm = sum(g.layers * (largest if g.window is None else min(largest, g.window - 1))
+               for g in mask.groups)
+    return imbalance(loads), comm
+
+
+def contiguous_layout(doc_lengths: Sequence[int], cuts: Sequence[int]) -> Layout:
+    """Rank r holds global packed positions ``[cuts[r], cuts[r + 1])``. O(D + N)."""
+    offsets = doc_offsets(doc_lengths)
+    ranks = [global_range_shards(offsets, cuts[r], cuts[r + 1]) for r in range(len(cuts) - 1)]
+    return Layout(groups=[GroupLayout(tuple(range(len(cuts) - 1)), ranks)], info={})
+
+
+def weighted_contiguous_layout(doc_lengths: Sequence[int], request: PlanRequest
+                               ) -> Layout | None:
+    """N contiguous ranges within ``request.imbalance_target`` on the layer-weighted work
+    of ``request.mask`` with a small exchange (``weighted_cuts``), rank r the r-th; None
+    if no contiguous cut meets the target."""
+    cuts = weighted_cuts(WeightedPrefix(doc_lengths, request.mask), request.cp_size,
+                         request.imbalance_target)
+    return contiguous_layout(doc_lengths, cuts) if cuts else None

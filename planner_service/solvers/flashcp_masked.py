@@ -43,7 +43,13 @@ from planner_service.core.metrics import int_arrays
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.balance import declared
 from planner_service.solvers.baselines import per_doc_layout
-from planner_service.solvers.contiguous_halo import contiguous_halo_layout
+from planner_service.solvers.contiguous_halo import (
+    WeightedPrefix,
+    contiguous_figures,
+    contiguous_layout,
+    range_bounds,
+    weighted_cuts,
+)
 from planner_service.solvers.flashcp import flashcp_layout
 from planner_service.solvers.kv_bound import layout_peak, listed
 
@@ -57,17 +63,20 @@ class Priced(NamedTuple):
     """A candidate layout's figures under the mask."""
 
     name: str
-    layout: Layout
+    layout: Layout | None
+    """None for a contiguous candidate priced on its cuts (built only if chosen)."""
     imbalance: float
     """Layer-weighted imbalance over all grouped ranks."""
     comm_tokens: int
     """Layer-weighted critical-path exchange, the worst group's."""
+    tokens: int
+    """Tokens on the fullest rank (the plan pads every rank of its group to it)."""
 
 
 def price(name: str, layout: Layout, request: PlanRequest, mode: str) -> Priced:
     """``layout`` under the request's mask in ``mode``. O(G s log s)."""
     work: list[int] = []
-    comm = 0
+    comm = most = 0
     for group in layout.groups:
         shards, arrays = canonical_group([list(rank) for rank in group.shards])
         if arrays is None:
@@ -77,7 +86,8 @@ def price(name: str, layout: Layout, request: PlanRequest, mode: str) -> Priced:
                                      tokens_per_rank=tokens)
         work += figures.workload
         comm = max(comm, figures.comm_tokens)
-    return Priced(name, layout, imbalance(work), comm)
+        most = max(most, tokens)
+    return Priced(name, layout, imbalance(work), comm, most)
 
 
 def group_imbalances(layout: Layout, request: PlanRequest) -> list[float]:
@@ -107,8 +117,11 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
     slack = target - 1.0
     priced: list[Priced] = []
 
-    def attempt(name: str, make: Callable[[], Layout]) -> None:
-        layout = listed(make())
+    def attempt(name: str, make: Callable[[], Layout | None]) -> None:
+        made = make()
+        if made is None:
+            return
+        layout = listed(made)
         if bound is not None and layout_peak(layout, mode) > bound:
             return
         priced.append(price(name, layout, request, mode))
@@ -120,12 +133,22 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
         return lambda: flashcp_layout(doc_lengths, replace(request, imbalance_target=r))
 
     priced.append(price("flashcp", listed(base(doc_lengths, request)), request, mode))
-    attempt("contiguous_halo", lambda: contiguous_halo_layout(doc_lengths, request))
-    if met():
-        for factor in LOOSER:
-            r = min(100.0, 1.0 + factor * slack)
-            attempt(f"flashcp R={r:g}", causal_at(r))
-    else:
+    prefix = WeightedPrefix(doc_lengths, request.mask)
+    cuts_of: dict[str, list[int]] = {}
+    for name, cuts in (("contiguous_halo", range_bounds(prefix.offsets[-1], request.cp_size)),
+                       ("weighted_contiguous", weighted_cuts(prefix, request.cp_size, target))):
+        if not cuts:
+            continue
+        if mode == "alltoallv" and bound is None:
+            # Closed form on the cuts (``contiguous_figures``), the layout built only to
+            # be returned.
+            imb, comm = contiguous_figures(prefix, cuts, request.mask)
+            most = max(b - a for a, b in zip(cuts, cuts[1:]))
+            priced.append(Priced(name, None, imb, comm, most))
+            cuts_of[name] = cuts
+        else:
+            attempt(name, lambda cuts=cuts: contiguous_layout(doc_lengths, cuts))
+    if not met():
         for share in TIGHTER:
             r = 1.0 + share * slack
             attempt(f"flashcp R={r:g}", causal_at(r))
@@ -138,13 +161,15 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
         best = min(within, key=lambda p: (p.comm_tokens, p.imbalance))
     else:
         best = min(priced, key=lambda p: p.imbalance)
-    info = {k: v for k, v in best.layout.info.items()
+    layout = best.layout or contiguous_layout(doc_lengths, cuts_of[best.name])
+    info = {k: v for k, v in layout.info.items()
             if k not in ("imbalance_target_met", "imbalance_reached")}
     info.update({
         "imbalance_target": target,
         "objective": mode,
         "mask_candidate": best.name,
         "mask_candidates": [{"candidate": p.name, "weighted_imbalance": p.imbalance,
-                             "weighted_comm_tokens": p.comm_tokens} for p in priced],
+                             "weighted_comm_tokens": p.comm_tokens, "max_tokens": p.tokens}
+                            for p in priced],
     })
-    return Layout(best.layout.groups, declared(info, (best.imbalance,), target))
+    return Layout(layout.groups, declared(info, (best.imbalance,), target))
