@@ -15,9 +15,11 @@ offsets and holds one shard per document it touches.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections.abc import Sequence
 from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,6 +27,7 @@ from planner_service.core import window_work as ww
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.cost import imbalance
 from planner_service.core.mask import AttentionMask
+from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.common import doc_offsets, global_range_shards
 
@@ -89,6 +92,21 @@ class WeightedPrefix:
             return self.total
         return self.cum[d] + self.doc_prefix(c - self.offsets[d])
 
+    def at_many(self, cs: Sequence[int]) -> list[int]:
+        """``P(c)`` of every c (ascending or not). O(k (log D + log G)) for k values, in
+        numpy where every figure fits int64, else one by one."""
+        if self.total >= 1 << 61 or not self.lengths:
+            return [self.at(c) for c in cs]
+        c = np.asarray(cs, dtype=np.int64)
+        offsets = np.asarray(self.offsets, dtype=np.int64)
+        d = np.minimum(np.searchsorted(offsets, c, side="right") - 1, len(self.lengths) - 1)
+        p = c - offsets[d]
+        piece = np.searchsorted(np.asarray(self.breaks, dtype=np.int64), p, side="right")
+        quad, lin, const = (np.asarray(x, dtype=np.int64) for x in zip(*self.pieces))
+        out = np.asarray(self.cum, dtype=np.int64)[d] + (
+            quad[piece] * p * (p + 1) // 2 + lin[piece] * p + const[piece])
+        return out.tolist()
+
     def doc_reach(self, value: int, length: int) -> int:
         """The greatest p in [0, length] with ``P_d(p) <= value`` (value >= 0). O(log G)."""
         j = bisect.bisect_right(self.at_breaks, value)
@@ -148,8 +166,10 @@ def weighted_cuts(wp: WeightedPrefix, num_ranks: int, target: float,
 
     def greedy(tau: int) -> tuple[list[int], int] | None:
         cuts, work, largest = [0], 0, 0
-        for _ in range(n - 1):
+        for i in range(n - 1):
             prev = cuts[-1]
+            if wp.total - work > (n - i) * limit or total - prev > (n - i) * cap:
+                return None  # the ranks left cannot hold the rest
             c = min(wp.reach(work + limit), prev + cap)
             if c < total:
                 d = bisect.bisect_right(offsets, c) - 1
@@ -186,7 +206,7 @@ def contiguous_figures(wp: WeightedPrefix, cuts: Sequence[int],
     ``P(c_{r+1}) - P(c_r)``, and it receives, in a layer of window W, ``min(p, W - 1)``
     keys for the doc position p of its first token (p for a causal layer; nothing if it
     holds no token). ``window_work.mask_figures_of`` on the layout gives the same. O(N (log D + G))."""
-    work = [wp.at(c) for c in cuts]
+    work = wp.at_many(cuts)
     loads = [b - a for a, b in zip(work, work[1:])]
     largest = 0
     for r in range(len(cuts) - 1):
@@ -200,9 +220,9 @@ def contiguous_figures(wp: WeightedPrefix, cuts: Sequence[int],
 
 def contiguous_layout(doc_lengths: Sequence[int], cuts: Sequence[int]) -> Layout:
     """Rank r holds global packed positions ``[cuts[r], cuts[r + 1])``. O(D + N)."""
-    offsets = doc_offsets(doc_lengths)
-    ranks = [global_range_shards(offsets, cuts[r], cuts[r + 1]) for r in range(len(cuts) - 1)]
-    return Layout(groups=[GroupLayout(tuple(range(len(cuts) - 1)), ranks)], info={})
+    c = np.asarray(cuts, dtype=np.int64)
+    return Layout(groups=[GroupLayout(tuple(range(len(cuts) - 1)),
+                                      range_shards(doc_lengths, c[:-1], c[1:], 1))], info={})
 
 
 def weighted_contiguous_layout(doc_lengths: Sequence[int], request: PlanRequest
@@ -213,3 +233,92 @@ def weighted_contiguous_layout(doc_lengths: Sequence[int], request: PlanRequest
     cuts = weighted_cuts(WeightedPrefix(doc_lengths, request.mask), request.cp_size,
                          request.imbalance_target)
     return contiguous_layout(doc_lengths, cuts) if cuts else None
+
+
+class Chunks(NamedTuple):
+    """Equal-token chunks of the packed sequence and the ranks holding them."""
+
+    bounds: np.ndarray
+    """The k N + 1 chunk boundaries (``range_bounds``)."""
+    held: np.ndarray
+    """(N, k): rank r's chunks in packed order."""
+    loads: list[int]
+    """Per rank, the layer-weighted work of its chunks."""
+
+
+def chunk_ranks(prefix: WeightedPrefix, num_ranks: int, per_rank: int) -> Chunks:
+    """The packed sequence in ``per_rank N`` contiguous equal-token chunks, ``per_rank``
+    of them on every rank, placed by LPT on their layer-weighted work in rounds: the
+    chunks heaviest first, N a round, the round's heaviest onto the least loaded rank
+    (ties: lower chunk, lower rank), so every rank takes one chunk a round. Tokens per
+    rank differ by at most ``per_rank``. O(k N log N) for k = ``per_rank``, in numpy."""
+    n, k = num_ranks, per_rank
+    bounds = range_bounds(prefix.offsets[-1], k * n)
+    at = prefix.at_many(bounds)
+    exact = np.int64 if prefix.total < 1 << 61 else object
+    work = np.asarray([b - a for a, b in zip(at, at[1:], strict=False)], dtype=exact)
+    order = np.argsort(-work, kind="stable")
+    loads = np.zeros(n, dtype=exact)
+    owner = np.empty(k * n, dtype=np.int64)
+    for t in range(k):
+        block = order[t * n:(t + 1) * n]
+        ranks = np.argsort(loads, kind="stable")
+        owner[block] = ranks
+        loads[ranks] += work[block]
+    held = np.lexsort((np.arange(k * n), owner)).reshape(n, k)
+    return Chunks(np.asarray(bounds, dtype=np.int64), held, [int(x) for x in loads])
+
+
+def chunked_figures(prefix: WeightedPrefix, chunks: Chunks,
+                    mask: AttentionMask) -> tuple[float, int, int]:
+    """(layer-weighted imbalance, layer-weighted all-to-all-v critical path, tokens on
+    the fullest rank) of ``chunks``, in closed form. A chunk's later docs start inside it
+    (nothing to receive); its first doc, cut at doc position p, adds ``min(W - 1, p - e)``
+    keys in a layer of window W (``p - e`` causal), with e the doc position where the
+    rank's previous chunk ends if that one ends inside the same doc, else 0 (as
+    ``window_work.window_comm_volumes_of``). ``window_work.mask_figures_of`` on
+    ``chunked_layout`` gives the same. O(k N (log D + G)), in numpy."""
+    offsets = np.asarray(prefix.offsets, dtype=np.int64)
+    n, k = chunks.held.shape
+    start = chunks.bounds[chunks.held]
+    end = chunks.bounds[chunks.held + 1]
+    doc_start = offsets[np.searchsorted(offsets, start, side="right") - 1]
+    prev_end = np.zeros_like(start)
+    prev_end[:, 1:] = end[:, :-1]
+    gap = start - np.maximum(doc_start, prev_end)
+    gap[end == start] = 0
+    comm = 0
+    for group in mask.groups:
+        adds = gap if group.window is None else np.minimum(gap, group.window - 1)
+        comm += group.layers * int(adds.sum(axis=1).max(initial=0))
+    return imbalance(chunks.loads), comm, int((end - start).sum(axis=1).max(initial=0))
+
+
+def chunked_layout(doc_lengths: Sequence[int], chunks: Chunks) -> Layout:
+    """Rank r holds the chunks ``chunks.held[r]``. O(D + k N), in numpy."""
+    n, k = chunks.held.shape
+    starts = chunks.bounds[chunks.held].ravel()
+    ends = chunks.bounds[chunks.held + 1].ravel()
+    return Layout(groups=[GroupLayout(tuple(range(n)),
+                                      range_shards(doc_lengths, starts, ends, k))], info={})
+
+
+def range_shards(doc_lengths: Sequence[int], starts: np.ndarray, ends: np.ndarray,
+                 per_rank: int) -> list[list[Shard]]:
+    """The shards of global packed ranges ``[starts[i], ends[i])``, ``per_rank`` ranges a
+    rank in order (``common.global_range_shards`` of each, vectorised). O(D + r) for r
+    ranges."""
+    offsets = np.asarray(doc_offsets(doc_lengths), dtype=np.int64)
+    keep = ends > starts
+    first = np.searchsorted(offsets, starts, side="right") - 1
+    last = np.searchsorted(offsets, ends - 1, side="right") - 1
+    pieces = np.where(keep, last - first + 1, 0)
+    range_of = np.repeat(np.arange(len(starts)), pieces)
+    doc = first[range_of] + (np.arange(len(range_of)) - np.repeat(
+        np.cumsum(pieces) - pieces, pieces))
+    lo = np.maximum(starts[range_of], offsets[doc]) - offsets[doc]
+    hi = np.minimum(ends[range_of], offsets[doc + 1]) - offsets[doc]
+    flat = list(map(Shard, doc.tolist(), lo.tolist(), hi.tolist()))
+    per = np.add.reduceat(pieces, np.arange(0, len(starts), per_rank)) if len(starts) else []
+    cuts = [0, *accumulate(int(x) for x in per)]
+    return [flat[cuts[r]:cuts[r + 1]] for r in range(len(cuts) - 1)]

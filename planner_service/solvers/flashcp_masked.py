@@ -32,10 +32,13 @@ shards (``window_work.mask_figures_of``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
+from planner_service.core import cost
 from planner_service.core import window_work as ww
 from planner_service.core.build import Layout, canonical_group
 from planner_service.core.cost import imbalance
@@ -45,6 +48,9 @@ from planner_service.solvers.balance import declared
 from planner_service.solvers.baselines import per_doc_layout
 from planner_service.solvers.contiguous_halo import (
     WeightedPrefix,
+    chunk_ranks,
+    chunked_figures,
+    chunked_layout,
     contiguous_figures,
     contiguous_layout,
     range_bounds,
@@ -53,8 +59,8 @@ from planner_service.solvers.contiguous_halo import (
 from planner_service.solvers.flashcp import flashcp_layout
 from planner_service.solvers.kv_bound import layout_peak, listed
 
-LOOSER = (2.0, 3.0, 5.0)
-"""Causal targets tried above R, as multiples of R's slack (R = 1.05: 1.10, 1.15, 1.25)."""
+MAX_CHUNKS = 32
+"""Most equal-token chunks per rank tried (``chunked_layout``: 2, 4, .. MAX_CHUNKS)."""
 TIGHTER = (0.5, 0.25)
 """Causal targets tried below R, as shares of R's slack (R = 1.05: 1.025, 1.0125)."""
 
@@ -74,18 +80,26 @@ class Priced(NamedTuple):
 
 
 def price(name: str, layout: Layout, request: PlanRequest, mode: str) -> Priced:
-    """``layout`` under the request's mask in ``mode``. O(G s log s)."""
+    """``layout`` under the request's mask in ``mode``. O(G s log s); under all-to-all-v
+    the shards as given, one sort for all windows (``window_work.alltoallv_figures_of``)."""
     work: list[int] = []
     comm = most = 0
     for group in layout.groups:
-        shards, arrays = canonical_group([list(rank) for rank in group.shards])
-        if arrays is None:
-            arrays = int_arrays(shards)
-        tokens = max(sum(s.end - s.start for s in rank) for rank in shards)
-        figures = ww.mask_figures_of(arrays, request.mask, comm_mode=mode,
-                                     tokens_per_rank=tokens)
-        work += figures.workload
-        comm = max(comm, figures.comm_tokens)
+        arrays = cost.shard_arrays(group.shards) if mode == "alltoallv" else None
+        if arrays is not None:
+            loads, group_comm = ww.alltoallv_figures_of(arrays, request.mask)
+            tokens = int(cost.per_rank_sums(arrays.end - arrays.start, arrays.bounds).max(
+                initial=0))
+        else:
+            shards, arrays = canonical_group([list(rank) for rank in group.shards])
+            if arrays is None:
+                arrays = int_arrays(shards)
+            tokens = max(sum(s.end - s.start for s in rank) for rank in shards)
+            figures = ww.mask_figures_of(arrays, request.mask, comm_mode=mode,
+                                         tokens_per_rank=tokens)
+            loads, group_comm = figures.workload, figures.comm_tokens
+        work += loads
+        comm = max(comm, group_comm)
         most = max(most, tokens)
     return Priced(name, layout, imbalance(work), comm, most)
 
@@ -134,20 +148,38 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
 
     priced.append(price("flashcp", listed(base(doc_lengths, request)), request, mode))
     prefix = WeightedPrefix(doc_lengths, request.mask)
-    cuts_of: dict[str, list[int]] = {}
-    for name, cuts in (("contiguous_halo", range_bounds(prefix.offsets[-1], request.cp_size)),
-                       ("weighted_contiguous", weighted_cuts(prefix, request.cp_size, target))):
+    total, n = prefix.offsets[-1], request.cp_size
+    built: dict[str, Callable[[], Layout]] = {}
+
+    def closed(name: str, figures: tuple[float, int], most: int,
+               make: Callable[[], Layout]) -> None:
+        priced.append(Priced(name, None, figures[0], figures[1], most))
+        built[name] = make
+
+    # Under all-to-all-v without a KV bound the contiguous and chunked candidates are
+    # priced in closed form and only the chosen one is built.
+    fast = mode == "alltoallv" and bound is None
+    padded = math.floor(target * -(-total // n)) if n else 0
+    for name, cuts in (("contiguous_halo", range_bounds(total, n)),
+                       ("weighted_contiguous", weighted_cuts(prefix, n, target, padded))):
         if not cuts:
             continue
-        if mode == "alltoallv" and bound is None:
-            # Closed form on the cuts (``contiguous_figures``), the layout built only to
-            # be returned.
-            imb, comm = contiguous_figures(prefix, cuts, request.mask)
-            most = max(b - a for a, b in zip(cuts, cuts[1:]))
-            priced.append(Priced(name, None, imb, comm, most))
-            cuts_of[name] = cuts
+        make = partial(contiguous_layout, doc_lengths, cuts)
+        if fast:
+            closed(name, contiguous_figures(prefix, cuts, request.mask),
+                   max(b - a for a, b in zip(cuts, cuts[1:], strict=False)), make)
         else:
-            attempt(name, lambda cuts=cuts: contiguous_layout(doc_lengths, cuts))
+            attempt(name, make)
+    per_rank = 2
+    while not met() and per_rank <= MAX_CHUNKS and per_rank * n <= total:
+        chunks = chunk_ranks(prefix, n, per_rank)
+        make = partial(chunked_layout, doc_lengths, chunks)
+        if fast:
+            imb, comm, most = chunked_figures(prefix, chunks, request.mask)
+            closed(f"chunks {per_rank}", (imb, comm), most, make)
+        else:
+            attempt(f"chunks {per_rank}", make)
+        per_rank *= 2
     if not met():
         for share in TIGHTER:
             r = 1.0 + share * slack
@@ -161,7 +193,7 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
         best = min(within, key=lambda p: (p.comm_tokens, p.imbalance))
     else:
         best = min(priced, key=lambda p: p.imbalance)
-    layout = best.layout or contiguous_layout(doc_lengths, cuts_of[best.name])
+    layout = best.layout or built[best.name]()
     info = {k: v for k, v in layout.info.items()
             if k not in ("imbalance_target_met", "imbalance_reached")}
     info.update({
