@@ -94,7 +94,8 @@ def main() -> None:
         f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f} at start.",
         "Masks: " + "; ".join(f"{name} `{text}`" for name, text in MASKS.items()) + ". "
         "Exchange: all-to-all-v KV tokens on the critical path, per layer (layer-weighted "
-        "mean). Tokens per rank: the plan's padded rank buffer over the mean real tokens per rank. Exact counts from the plans, no timing; every strategy plans with the "
+        "mean). Tokens per rank: the plan's padded rank buffer over the mean real tokens "
+        "per rank. Exact counts from the plans, no timing; every strategy plans with the "
         f"mask, and `{CAUSAL_PLAN}` is the plan of the same request without it.",
         "",
     ]

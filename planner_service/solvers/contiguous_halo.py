@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner_service.core import cost
 from planner_service.core import window_work as ww
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.cost import imbalance
@@ -102,7 +103,7 @@ class WeightedPrefix:
         d = np.minimum(np.searchsorted(offsets, c, side="right") - 1, len(self.lengths) - 1)
         p = c - offsets[d]
         piece = np.searchsorted(np.asarray(self.breaks, dtype=np.int64), p, side="right")
-        quad, lin, const = (np.asarray(x, dtype=np.int64) for x in zip(*self.pieces))
+        quad, lin, const = (np.asarray(x, dtype=np.int64) for x in zip(*self.pieces, strict=True))
         out = np.asarray(self.cum, dtype=np.int64)[d] + (
             quad[piece] * p * (p + 1) // 2 + lin[piece] * p + const[piece])
         return out.tolist()
@@ -134,10 +135,10 @@ class WeightedPrefix:
         return self.offsets[d] + self.doc_reach(value - self.cum[d], self.lengths[d])
 
 
-def _doc_arrays(start: np.ndarray, end: np.ndarray) -> ww.cost.ShardArrays:
+def _doc_arrays(start: np.ndarray, end: np.ndarray) -> cost.ShardArrays:
     n = len(start)
     idx = np.arange(n, dtype=np.int64)
-    return ww.cost.ShardArrays(idx, idx, start, end, np.arange(n + 1, dtype=np.int64))
+    return cost.ShardArrays(idx, idx, start, end, np.arange(n + 1, dtype=np.int64))
 
 
 TAU_STEPS = 8
@@ -205,9 +206,10 @@ def contiguous_figures(wp: WeightedPrefix, cuts: Sequence[int],
     contiguous layout with ``cuts``, in closed form: rank r's work is
     ``P(c_{r+1}) - P(c_r)``, and it receives, in a layer of window W, ``min(p, W - 1)``
     keys for the doc position p of its first token (p for a causal layer; nothing if it
-    holds no token). ``window_work.mask_figures_of`` on the layout gives the same. O(N (log D + G))."""
+    holds no token). ``window_work.mask_figures_of`` on the layout gives the same.
+    O(N (log D + G))."""
     work = wp.at_many(cuts)
-    loads = [b - a for a, b in zip(work, work[1:])]
+    loads = [b - a for a, b in zip(work, work[1:], strict=False)]
     largest = 0
     for r in range(len(cuts) - 1):
         c = cuts[r]
@@ -246,25 +248,45 @@ class Chunks(NamedTuple):
     """Per rank, the layer-weighted work of its chunks."""
 
 
-def chunk_ranks(prefix: WeightedPrefix, num_ranks: int, per_rank: int) -> Chunks:
+HEAP_CHUNKS = 2048
+"""Most chunks placed one by one (``chunk_ranks``); more are placed in rounds."""
+
+
+def chunk_ranks(prefix: WeightedPrefix, num_ranks: int, per_rank: int,
+                heap: bool | None = None) -> Chunks:
     """The packed sequence in ``per_rank N`` contiguous equal-token chunks, ``per_rank``
-    of them on every rank, placed by LPT on their layer-weighted work in rounds: the
-    chunks heaviest first, N a round, the round's heaviest onto the least loaded rank
-    (ties: lower chunk, lower rank), so every rank takes one chunk a round. Tokens per
-    rank differ by at most ``per_rank``. O(k N log N) for k = ``per_rank``, in numpy."""
+    of them on every rank, placed by LPT on their layer-weighted work, heaviest chunk
+    first (ties: lower chunk, lower rank). ``heap`` (default: at most ``HEAP_CHUNKS``
+    chunks): each onto the least loaded rank still short of ``per_rank`` chunks,
+    O(k N log N) in Python; else in rounds of N, the round's heaviest onto the least
+    loaded rank, every rank one chunk a round, O(k N log N) in numpy. Tokens per rank
+    differ by at most ``per_rank``."""
     n, k = num_ranks, per_rank
     bounds = range_bounds(prefix.offsets[-1], k * n)
     at = prefix.at_many(bounds)
     exact = np.int64 if prefix.total < 1 << 61 else object
     work = np.asarray([b - a for a, b in zip(at, at[1:], strict=False)], dtype=exact)
     order = np.argsort(-work, kind="stable")
-    loads = np.zeros(n, dtype=exact)
     owner = np.empty(k * n, dtype=np.int64)
-    for t in range(k):
-        block = order[t * n:(t + 1) * n]
-        ranks = np.argsort(loads, kind="stable")
-        owner[block] = ranks
-        loads[ranks] += work[block]
+    if heap if heap is not None else k * n <= HEAP_CHUNKS:
+        queue = [(0, r) for r in range(n)]
+        count = [0] * n
+        for j, w in zip(order.tolist(), work[order].tolist(), strict=True):
+            load, r = heapq.heappop(queue)
+            owner[j] = r
+            count[r] += 1
+            if count[r] < k:
+                heapq.heappush(queue, (load + w, r))
+        loads = cost.per_rank_sums(work[np.argsort(owner, kind="stable")],
+                                   np.arange(0, k * n + 1, k)) if exact is np.int64 else \
+            [sum(work[owner == r].tolist()) for r in range(n)]
+    else:
+        loads = np.zeros(n, dtype=exact)
+        for t in range(k):
+            block = order[t * n:(t + 1) * n]
+            ranks = np.argsort(loads, kind="stable")
+            owner[block] = ranks
+            loads[ranks] += work[block]
     held = np.lexsort((np.arange(k * n), owner)).reshape(n, k)
     return Chunks(np.asarray(bounds, dtype=np.int64), held, [int(x) for x in loads])
 

@@ -10,11 +10,15 @@ the weighted objective wins:
 1. ``flashcp``: the causal plan at the request's R and exchange (``flashcp_bounded``:
    with ``max_kv_tokens_per_rank``, its own bounded candidates);
 2. ``contiguous_halo``: N contiguous equal-token ranges (the halo baseline);
-3. ``flashcp R=<r>`` at each looser causal target of ``LOOSER`` (R's slack times each
-   factor), tried when a candidate above meets R on the weighted work: windowed layers
-   dilute the causal imbalance, so a looser causal R may still meet R under the mask
-   with fewer documents split (less exchange);
-4. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
+3. ``weighted_contiguous``: N contiguous ranges within R on the weighted work whose
+   largest cut position inside a document is least (``contiguous_halo.weighted_cuts``),
+   no rank holding more than R times the even token share (a work-balanced cut of a
+   long document gives its cheap first part to few ranks: unbounded, the padding would
+   reach several times the tokens, and every rank runs its linear layers on it);
+4. ``chunks <k>``: the packed sequence in k N equal-token chunks, k per rank, placed by
+   LPT on the weighted work (``contiguous_halo.chunk_ranks``), k = 2, 4, .. ``MAX_CHUNKS``
+   in turn while no candidate meets R (more chunks balance better and move more halos);
+5. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
    tried in order only while no candidate meets R on the weighted work.
 
 Objective: among the candidates whose layer-weighted imbalance is at most R, the least
@@ -23,11 +27,14 @@ layer-weighted critical-path exchange in the request's mode (``MaskFigures.comm_
 the most balanced (the info then declares the miss, ``balance.declared``). With a KV
 bound a candidate over it is left out (the mask's peak is its causal layer's: a window's
 receive is within the causal prefix). The plan's info names the choice
-(``mask_candidate``) and every candidate's figures (``mask_candidates``).
+(``mask_candidate``) and every candidate's figures (``mask_candidates``: weighted
+imbalance, weighted exchange, tokens on the fullest rank).
 
-Cost: up to ``1 + len(LOOSER)`` or ``1 + len(TIGHTER)`` flashcp solves, one contiguous
-pass (O(D + N)) and one per_doc pass, each priced in O(G s log s) for G windows and s
-shards (``window_work.mask_figures_of``).
+Cost: one flashcp solve priced in O(s log s + G s) for s shards and G windows
+(``window_work.alltoallv_figures_of``; other modes ``mask_figures_of``); the contiguous
+and chunk candidates in closed form on their cuts (O(D G + N log S (log D + G)) and
+O(k N (log N + log D + G)) for D documents, S tokens), only the chosen one built; the
+tighter flashcp solves and per_doc only when none of those meets R.
 """
 
 from __future__ import annotations
