@@ -17,18 +17,8 @@ from planner_service.core import cost
 from planner_service.core import window_work as ww
 from planner_service.core.mask import AttentionMask, LayerGroup, parse_layers_text
 from planner_service.core.request import PlanRequest
+from planner_service.solvers import contiguous_halo as ch
 from planner_service.solvers.common import doc_offsets, global_range_shards
-from planner_service.solvers.contiguous_halo import (
-    WeightedPrefix,
-    chunk_ranks,
-    chunked_figures,
-    chunked_layout,
-    contiguous_figures,
-    contiguous_layout,
-    range_bounds,
-    range_shards,
-    weighted_cuts,
-)
 from planner_service.solvers.registry import solve
 
 MASKS = ("5x1024,1xfull", "1x128,1xfull", "3x7,2x50,1xfull", "2x5,1x9", "1x1", "4x3,1x1,2xfull")
@@ -64,7 +54,7 @@ def test_the_weighted_prefix_and_its_inverse_equal_the_position_by_position_sums
     rng = random.Random(text)
     mask = parse_layers_text(text)
     doc_lengths = [rng.randint(1, 3000) for _ in range(6)]
-    wp = WeightedPrefix(doc_lengths, mask)
+    wp = ch.WeightedPrefix(doc_lengths, mask)
     ref = reference_prefix(doc_lengths, mask)
     positions = list(range(len(ref)))
     assert [wp.at(c) for c in positions] == ref
@@ -78,17 +68,17 @@ def test_the_weighted_prefix_and_its_inverse_equal_the_position_by_position_sums
 @given(masks, lengths, st.integers(1, 40), st.sampled_from((1.0, 1.01, 1.05, 1.3)))
 def test_the_weighted_cut_is_within_r_and_its_price_is_window_works(mask, doc_lengths, n,
                                                                    target):
-    wp = WeightedPrefix(doc_lengths, mask)
+    wp = ch.WeightedPrefix(doc_lengths, mask)
     total = sum(doc_lengths)
-    for cuts in (range_bounds(total, n), weighted_cuts(wp, n, target),
-                 weighted_cuts(wp, n, target, -(-total // n) + 3)):
+    for cuts in (ch.range_bounds(total, n), ch.weighted_cuts(wp, n, target),
+                 ch.weighted_cuts(wp, n, target, -(-total // n) + 3)):
         if not cuts:
             continue
         assert len(cuts) == n + 1 and cuts == sorted(cuts) and (cuts[0], cuts[-1]) == (0, total)
-        imb, comm = contiguous_figures(wp, cuts, mask)
-        layout = contiguous_layout(doc_lengths, cuts)
+        imb, comm = ch.contiguous_figures(wp, cuts, mask)
+        layout = ch.contiguous_layout(doc_lengths, cuts)
         assert (imb, comm) == pytest.approx(priced(layout, mask)[:2], rel=1e-12)
-    cuts = weighted_cuts(wp, n, target)
+    cuts = ch.weighted_cuts(wp, n, target)
     if cuts:
         loads = np.diff(wp.at_many(cuts))
         assert loads.max() <= target * wp.total / n
@@ -101,7 +91,7 @@ def test_the_weighted_cut_has_the_least_largest_cut_of_any_balanced_contiguous_c
     """Exhaustive over every contiguous cut of small inputs: no balanced cut has a
     smaller largest doc position of a rank's first token (to within the bisection's
     1/2^8 of the unbounded cut's)."""
-    wp = WeightedPrefix(doc_lengths, mask)
+    wp = ch.WeightedPrefix(doc_lengths, mask)
     total, offsets = sum(doc_lengths), doc_offsets(doc_lengths)
     limit = 1.05 * wp.total / n
 
@@ -115,7 +105,7 @@ def test_the_weighted_cut_has_the_least_largest_cut_of_any_balanced_contiguous_c
         cuts = [0, *inner, total]
         if max(np.diff(wp.at_many(cuts))) <= limit:
             best = largest(cuts) if best is None else min(best, largest(cuts))
-    found = weighted_cuts(wp, n, 1.05)
+    found = ch.weighted_cuts(wp, n, 1.05)
     assert (best is None) == (not found)
     if found:
         assert largest(found) <= best + max(doc_lengths) / 256 + 1
@@ -128,11 +118,11 @@ def test_chunks_hold_equal_tokens_and_their_price_is_window_works(mask, doc_leng
     total = sum(doc_lengths)
     if k * n > total:
         return
-    wp = WeightedPrefix(doc_lengths, mask)
-    chunks = chunk_ranks(wp, n, k, heap)
+    wp = ch.WeightedPrefix(doc_lengths, mask)
+    chunks = ch.chunk_ranks(wp, n, k, heap)
     assert sorted(chunks.held.ravel().tolist()) == list(range(k * n))
-    layout = chunked_layout(doc_lengths, chunks)
-    imb, comm, most = chunked_figures(wp, chunks, mask)
+    layout = ch.chunked_layout(doc_lengths, chunks)
+    imb, comm, most = ch.chunked_figures(wp, chunks, mask)
     want = priced(layout, mask)
     assert (imb, comm, most) == pytest.approx(want, rel=1e-12)
     assert most <= -(-total // (k * n)) * k
@@ -149,7 +139,7 @@ def test_range_shards_are_global_range_shards_range_by_range():
         points = sorted(rng.randint(0, sum(doc_lengths)) for _ in range(2 * k * n))
         starts, ends = np.array(points[0::2]), np.array(points[1::2])
         offsets = doc_offsets(doc_lengths)
-        assert range_shards(doc_lengths, starts, ends, k) == [
+        assert ch.range_shards(doc_lengths, starts, ends, k) == [
             [s for i in range(r * k, (r + 1) * k)
              for s in global_range_shards(offsets, int(starts[i]), int(ends[i]))]
             for r in range(n)]

@@ -341,6 +341,7 @@ def range_shards(doc_lengths: Sequence[int], starts: np.ndarray, ends: np.ndarra
     lo = np.maximum(starts[range_of], offsets[doc]) - offsets[doc]
     hi = np.minimum(ends[range_of], offsets[doc + 1]) - offsets[doc]
     flat = list(map(Shard, doc.tolist(), lo.tolist(), hi.tolist()))
-    per = np.add.reduceat(pieces, np.arange(0, len(starts), per_rank)) if len(starts) else []
-    cuts = [0, *accumulate(int(x) for x in per)]
+    per: list[int] = np.add.reduceat(pieces, np.arange(0, len(starts), per_rank)).tolist() \
+        if len(starts) else []
+    cuts = [0, *accumulate(per)]
     return [flat[cuts[r]:cuts[r + 1]] for r in range(len(cuts) - 1)]

@@ -92,7 +92,8 @@ def price(name: str, layout: Layout, request: PlanRequest, mode: str) -> Priced:
     work: list[int] = []
     comm = most = 0
     for group in layout.groups:
-        arrays = cost.shard_arrays(group.shards) if mode == "alltoallv" else None
+        arrays = cost.shard_arrays([list(rank) for rank in group.shards]) \
+            if mode == "alltoallv" else None
         if arrays is not None:
             loads, group_comm = ww.alltoallv_figures_of(arrays, request.mask)
             tokens = int(cost.per_rank_sums(arrays.end - arrays.start, arrays.bounds).max(
