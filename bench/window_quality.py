@@ -15,6 +15,15 @@ default. Exact counts from the plans; no timing.
 
 The issue's targets for flashcp, checked per cell as PASS/FAIL: worst weighted imbalance
 <= 1.05, mean weighted exchange at most contiguous_halo's and per_doc's.
+
+    python -m bench.window_quality --timing            # solve time under a mask
+
+``--timing`` instead times flashcp's ``solve(check=False)`` with each mask against the
+same request without it (CPU time of this process, ``time.process_time``; the two solves
+alternate, ``TIMING_REPEATS`` times per sequence, medians) on cells of bench/scale.py's N
+sweep (``TIMING_SOURCES``, ``TIMING_CONTEXTS``, ``TIMING_CP``; ``TIMING_SEQUENCES``
+packed sequences each), and writes ``--timing-out``: per cell the median causal and
+masked solve, their ratio and the worst sequence's ratio; target <= 1.5.
 """
 
 from __future__ import annotations
@@ -40,6 +49,12 @@ from planner_service.solvers.registry import solve
 MASKS = {"gemma3-like": "5x1024,1xfull", "gpt-oss-like": "1x128,1xfull"}
 STRATEGIES = "flashcp,per_doc,contiguous_halo,llama3"
 IMBALANCE_TARGET = 1.05
+TIMING_SOURCES = ("wlbllm", "code", "family:pile")
+TIMING_CONTEXTS = (32768, 131072, 524288)
+TIMING_CP = (2, 8, 32, 128, 1024)
+TIMING_SEQUENCES = 3
+TIMING_REPEATS = 5
+TIMING_TARGET = 1.5
 CAUSAL_PLAN = "flashcp causal plan"
 """The row of today's causal flashcp plan (a request without a mask) under the mask."""
 
@@ -48,6 +63,8 @@ class Priced(NamedTuple):
     weighted_imbalance: float
     causal_imbalance: float
     comm_per_layer: float
+    tokens_ratio: float
+    """Tokens per rank with padding over the mean real tokens per rank (1.0: no padding)."""
 
 
 def price(plan: Plan, mask: AttentionMask) -> Priced:
@@ -64,7 +81,64 @@ def price(plan: Plan, mask: AttentionMask) -> Priced:
         workloads += figures.workload
         causal += cost.rank_workloads_of(arrays)
         comm = max(comm, figures.comm_tokens)
-    return Priced(cost.imbalance(workloads), cost.imbalance(causal), comm / mask.num_layers)
+    mean_tokens = sum(plan.doc_lengths) / plan.cp_size
+    return Priced(cost.imbalance(workloads), cost.imbalance(causal), comm / mask.num_layers,
+                  plan.metrics.tokens_per_rank / mean_tokens if mean_tokens else 1.0)
+
+
+def solve_ms(request: PlanRequest) -> float:
+    started = time.process_time()
+    solve(request, check=False)
+    return (time.process_time() - started) * 1e3
+
+
+def timing(out: str) -> None:
+    """The ``--timing`` table (module docstring)."""
+    masks = {name: parse_layers_text(text) for name, text in MASKS.items()}
+    lines = [
+        "# flashcp solve time under sliding-window and hybrid masks",
+        "",
+        "Command: `python -m bench.window_quality --timing`",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f} at start.",
+        f"CPU ms of `solve(check=False)` (`time.process_time`), flashcp at R = 1.05; per "
+        f"sequence the causal and the masked solve alternate {TIMING_REPEATS} times and "
+        f"their medians are compared; {TIMING_SEQUENCES} packed sequences (seed 0) per "
+        f"source and context, sources {', '.join(TIMING_SOURCES)}. Ratio: median masked over "
+        f"median causal over the cell's sequences; worst: the largest per-sequence ratio. "
+        f"Target: ratio <= {TIMING_TARGET}.",
+        "",
+        "| tokens | N | mask | causal ms | masked ms | ratio | worst sequence |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    started = time.time()
+    for context in TIMING_CONTEXTS:
+        sequences = [lengths for source in TIMING_SOURCES
+                     for lengths in pack_sequences(make_source(source), context_length=context,
+                                                   num_sequences=TIMING_SEQUENCES, seed=0)]
+        for n in TIMING_CP:
+            for name, mask in masks.items():
+                causal, masked, ratios = [], [], []
+                for lengths in sequences:
+                    request = PlanRequest(doc_lengths=tuple(lengths), cp_size=n,
+                                          context_length=context)
+                    windowed = replace(request, mask=mask)
+                    pairs = [(solve_ms(request), solve_ms(windowed))
+                             for _ in range(TIMING_REPEATS)]
+                    c = float(np.median([a for a, _ in pairs]))
+                    m = float(np.median([b for _, b in pairs]))
+                    causal.append(c)
+                    masked.append(m)
+                    ratios.append(m / c)
+                c, m = float(np.median(causal)), float(np.median(masked))
+                lines.append(f"| {context // 1024}K | {n} | {name} | {c:.2f} | {m:.2f} | "
+                             f"{m / c:.2f} | {max(ratios):.2f} |")
+                print(lines[-1], flush=True)
+    lines += ["", f"Load average at end {os.getloadavg()[0]:.1f}; wall time "
+              f"{time.time() - started:.0f} s."]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("\n".join(lines) + "\n")
+    print(f"written to {out}")
 
 
 def main() -> None:
@@ -77,7 +151,13 @@ def main() -> None:
     parser.add_argument("--strategies", default=STRATEGIES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/window_quality.md")
+    parser.add_argument("--timing", action="store_true",
+                        help="time flashcp under each mask against the causal solve instead")
+    parser.add_argument("--timing-out", default="bench/results/window_solve_time.md")
     args = parser.parse_args()
+    if args.timing:
+        timing(args.timing_out)
+        return
     strategies = args.strategies.split(",")
     masks = {name: parse_layers_text(text) for name, text in MASKS.items()}
     lines = [
@@ -90,7 +170,8 @@ def main() -> None:
         f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f} at start.",
         "Masks: " + "; ".join(f"{name} `{text}`" for name, text in MASKS.items()) + ". "
         "Exchange: all-to-all-v KV tokens on the critical path, per layer (layer-weighted "
-        "mean). Exact counts from the plans, no timing; every strategy plans with the "
+        "mean). Tokens per rank: the plan's padded rank buffer over the mean real tokens "
+        "per rank. Exact counts from the plans, no timing; every strategy plans with the "
         f"mask, and `{CAUSAL_PLAN}` is the plan of the same request without it.",
         "",
     ]
@@ -116,8 +197,9 @@ def main() -> None:
                     lines += [f"## {dataset}, {context} tokens, N = {n}, {name}, "
                               f"{len(sequences)} sequences", "",
                               "| strategy | weighted imbalance mean | weighted imbalance max "
-                              "| causal-layer imbalance mean | exchange per layer (mean) |",
-                              "|---|---|---|---|---|"]
+                              "| causal-layer imbalance mean | exchange per layer (mean) "
+                              "| tokens per rank / mean (mean, max) |",
+                              "|---|---|---|---|---|---|"]
                     mean_comm = {}
                     shown = [*strategies, CAUSAL_PLAN] if "flashcp" in strategies else strategies
                     for strategy in shown:
@@ -127,7 +209,9 @@ def main() -> None:
                         lines.append(
                             f"| {strategy} | {w.mean():.4f} | {w.max():.4f} | "
                             f"{np.mean([r.causal_imbalance for r in rows]):.4f} | "
-                            f"{mean_comm[strategy]:,.0f} |")
+                            f"{mean_comm[strategy]:,.0f} | "
+                            f"{np.mean([r.tokens_ratio for r in rows]):.2f}, "
+                            f"{max(r.tokens_ratio for r in rows):.2f} |")
                     if "flashcp" in strategies:
                         worst = max(r.weighted_imbalance for r in priced[(name, "flashcp")])
                         checks = [f"weighted imbalance max {worst:.4f} <= {IMBALANCE_TARGET}: "
@@ -140,7 +224,8 @@ def main() -> None:
                         lines += ["", "flashcp targets: " + "; ".join(checks)]
                     lines.append("")
                     print("\n".join(lines[-len(shown) - 7:]), flush=True)
-    lines.append(f"Total wall time {time.time() - started:.0f} s.")
+    lines.append(f"Total wall time {time.time() - started:.0f} s; load average "
+                 f"{os.getloadavg()[0]:.1f} at end.")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"written to {args.out}")

@@ -72,3 +72,29 @@ def test_a_local_transformers_config_gives_its_mask(tmp_path) -> None:
     bad.mkdir()
     (bad / "config.json").write_text("{not json")
     assert "--hf-config" in one_line_error("--hf-config", str(bad))
+
+
+def test_compare_takes_the_mask_flags_of_plan() -> None:
+    """``planner compare`` reads the same flags; each strategy's summary is that of its
+    plans under the mask (layer-weighted imbalance)."""
+    from planner_service.core.request import PlanRequest
+    from planner_service.strategy_summary import summarize_strategies
+
+    docs = ["compare", "--docs", "4099,37,1023,8191,1,511", "--cp", "4", "--json",
+            "--strategies", "flashcp,contiguous_halo"]
+    result = runner.invoke(app, [*docs, "--layers", "5x1024,1xfull"])
+    assert result.exit_code == 0, result.output
+    got = {s["strategy"]: s["imbalance_mean"] for s in json.loads(result.stdout)}
+    base = PlanRequest(doc_lengths=(4099, 37, 1023, 8191, 1, 511), cp_size=4,
+                       mask=parse_mask(layers="5x1024,1xfull"))
+    want = {s.strategy: s.imbalance_mean
+            for s in summarize_strategies(["flashcp", "contiguous_halo"],
+                                          [base.doc_lengths], base)}
+    assert got == want
+    causal = json.loads(runner.invoke(app, docs).stdout)
+    assert got != {s["strategy"]: s["imbalance_mean"] for s in causal}
+    bad = runner.invoke(app, [*docs, "--window", "0"])
+    assert bad.exit_code == 2 and "--window" in bad.stderr
+    assert len(bad.stderr.splitlines()) == 1
+    table = runner.invoke(app, [*docs[:-3], "--window", "128"])
+    assert table.exit_code == 0 and "mask 1x128" in table.stdout

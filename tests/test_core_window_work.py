@@ -209,3 +209,21 @@ def test_large_group_vectorised_forms_agree_with_cost():
     assert ww.rank_window_workloads_of(arrays, None) == cost.rank_workloads(plan)
     windowed = ww.window_comm_volumes_of(arrays, 128)
     assert max(windowed.alltoallv_recv) <= max(cost.comm_volumes(plan).alltoallv_recv)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 6))
+def test_the_one_sort_alltoallv_figures_equal_mask_figures(seed, num_ranks):
+    rng = random.Random(seed)
+    plan = random_plan(rng, num_ranks, rng.randint(1, 8), rng.choice((5, 300, 5000)))
+    # Not canonical: a shard cut in two touching pieces on its rank, and an empty shard.
+    if plan[0]:
+        doc, s, e = plan[0][0]
+        if e - s > 1:
+            plan[0][0:1] = [Shard(doc, s, s + 1), Shard(doc, s + 1, e), Shard(doc, e, e)]
+    arrays = arrays_of(plan)
+    tpr = max(sum(e - s for _, s, e in rank) for rank in plan)
+    for mask in (AttentionMask((LayerGroup(1024, 5), LayerGroup(None, 1))),
+                 AttentionMask((LayerGroup(1, 2), LayerGroup(7, 3))), CAUSAL):
+        f = ww.mask_figures_of(arrays, mask, comm_mode="alltoallv", tokens_per_rank=tpr)
+        assert ww.alltoallv_figures_of(arrays, mask) == (f.workload, f.comm_tokens)

@@ -239,8 +239,13 @@ def compare_cmd(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print summaries as JSON")] = False,
     url: Url = None,
+    window: Window = None,
+    layers: Layers = None,
+    hf_config: HfConfig = None,
 ) -> None:
-    """Strategies side by side for one input or N sampled batches of a data set."""
+    """Strategies side by side for one input or N sampled batches of a data set (under a
+    mask: every strategy plans with it, and imbalance and savings are layer-weighted)."""
+    mask = mask_of(window, layers, hf_config)
     if plot:
         try:
             import matplotlib  # noqa: F401
@@ -261,6 +266,7 @@ def compare_cmd(
         cp_size=cp,
         context_length=context,
         imbalance_target=imbalance_target,
+        mask=mask,
     )
     if url:
         from planner_service.client import remote_plan
@@ -276,7 +282,8 @@ def compare_cmd(
         typer.echo(json.dumps([s._asdict() for s in summaries], indent=2))
     else:
         what = f"{len(sequences)} sequence(s)" + (f" of {dataset}" if dataset else "")
-        console.print(_summary_table(summaries, f"{what}, N = {cp}"))
+        under = "" if mask.is_causal else f", mask {mask.to_text()}"
+        console.print(_summary_table(summaries, f"{what}, N = {cp}{under}"))
         none = [s.strategy for s in summaries if s.saving_allgather <= 0]
         if none:
             note(f"compact all-gather saves nothing for {', '.join(none)} here: every rank's "

@@ -243,6 +243,33 @@ def mask_figures_of(arrays: cost.ShardArrays, mask: AttentionMask, *, comm_mode:
     return MaskFigures(tuple(layers), workload, recv, comm)
 
 
+def alltoallv_figures_of(arrays: cost.ShardArrays, mask: AttentionMask
+                         ) -> tuple[tuple[int, ...], int]:
+    """``mask_figures_of(arrays, mask, comm_mode="alltoallv", ...)``'s ``workload`` and
+    ``comm_tokens`` alone, with one sort for all windows: a rank's shards of a doc in
+    start order, each adds ``min(W - 1, s - e_prev)`` (module docstring). The shards need
+    not be canonical (touching shards of a rank add nothing; empty ones are dropped).
+    O(s log s + G s)."""
+    n = len(arrays.bounds) - 1
+    rank, doc, start, end = _nonempty(arrays)
+    order = np.lexsort((start, doc, rank))
+    r, d, s, e = rank[order], doc[order], start[order], end[order]
+    prev = np.zeros(len(r), dtype=np.int64)
+    if len(r) > 1:
+        same = (r[1:] == r[:-1]) & (d[1:] == d[:-1])
+        prev[1:] = np.where(same, e[:-1], 0)
+    gap = s - prev
+    rank_bounds = np.searchsorted(r, np.arange(n + 1), side="left")
+    workload = [0] * n
+    comm = 0
+    for group in mask.groups:
+        adds = gap if group.window is None else np.minimum(gap, group.window - 1)
+        comm += group.layers * int(cost.per_rank_sums(adds, rank_bounds).max(initial=0))
+        work = rank_window_workloads_of(arrays, group.window)
+        workload = [w + group.layers * x for w, x in zip(workload, work, strict=True)]
+    return tuple(workload), comm
+
+
 # The token-by-token references: sets of (doc, position) keys.
 
 

@@ -10,11 +10,15 @@ the weighted objective wins:
 1. ``flashcp``: the causal plan at the request's R and exchange (``flashcp_bounded``:
    with ``max_kv_tokens_per_rank``, its own bounded candidates);
 2. ``contiguous_halo``: N contiguous equal-token ranges (the halo baseline);
-3. ``flashcp R=<r>`` at each looser causal target of ``LOOSER`` (R's slack times each
-   factor), tried when a candidate above meets R on the weighted work: windowed layers
-   dilute the causal imbalance, so a looser causal R may still meet R under the mask
-   with fewer documents split (less exchange);
-4. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
+3. ``weighted_contiguous``: N contiguous ranges within R on the weighted work whose
+   largest cut position inside a document is least (``contiguous_halo.weighted_cuts``),
+   no rank holding more than R times the even token share (a work-balanced cut of a
+   long document gives its cheap first part to few ranks: unbounded, the padding would
+   reach several times the tokens, and every rank runs its linear layers on it);
+4. ``chunks <k>``: the packed sequence in k N equal-token chunks, k per rank, placed by
+   LPT on the weighted work (``contiguous_halo.chunk_ranks``), k = 2, 4, .. ``MAX_CHUNKS``
+   in turn while no candidate meets R (more chunks balance better and move more halos);
+5. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
    tried in order only while no candidate meets R on the weighted work.
 
 Objective: among the candidates whose layer-weighted imbalance is at most R, the least
@@ -23,19 +27,25 @@ layer-weighted critical-path exchange in the request's mode (``MaskFigures.comm_
 the most balanced (the info then declares the miss, ``balance.declared``). With a KV
 bound a candidate over it is left out (the mask's peak is its causal layer's: a window's
 receive is within the causal prefix). The plan's info names the choice
-(``mask_candidate``) and every candidate's figures (``mask_candidates``).
+(``mask_candidate``) and every candidate's figures (``mask_candidates``: weighted
+imbalance, weighted exchange, tokens on the fullest rank).
 
-Cost: up to ``1 + len(LOOSER)`` or ``1 + len(TIGHTER)`` flashcp solves, one contiguous
-pass (O(D + N)) and one per_doc pass, each priced in O(G s log s) for G windows and s
-shards (``window_work.mask_figures_of``).
+Cost: one flashcp solve priced in O(s log s + G s) for s shards and G windows
+(``window_work.alltoallv_figures_of``; other modes ``mask_figures_of``); the contiguous
+and chunk candidates in closed form on their cuts (O(D G + N log S (log D + G)) and
+O(k N (log N + log D + G)) for D documents, S tokens), only the chosen one built; the
+tighter flashcp solves and per_doc only when none of those meets R.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
+from planner_service.core import cost
 from planner_service.core import window_work as ww
 from planner_service.core.build import Layout, canonical_group
 from planner_service.core.cost import imbalance
@@ -43,12 +53,21 @@ from planner_service.core.metrics import int_arrays
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.balance import declared
 from planner_service.solvers.baselines import per_doc_layout
-from planner_service.solvers.contiguous_halo import contiguous_halo_layout
+from planner_service.solvers.contiguous_halo import (
+    WeightedPrefix,
+    chunk_ranks,
+    chunked_figures,
+    chunked_layout,
+    contiguous_figures,
+    contiguous_layout,
+    range_bounds,
+    weighted_cuts,
+)
 from planner_service.solvers.flashcp import flashcp_layout
 from planner_service.solvers.kv_bound import layout_peak, listed
 
-LOOSER = (2.0, 3.0, 5.0)
-"""Causal targets tried above R, as multiples of R's slack (R = 1.05: 1.10, 1.15, 1.25)."""
+MAX_CHUNKS = 32
+"""Most equal-token chunks per rank tried (``chunked_layout``: 2, 4, .. MAX_CHUNKS)."""
 TIGHTER = (0.5, 0.25)
 """Causal targets tried below R, as shares of R's slack (R = 1.05: 1.025, 1.0125)."""
 
@@ -57,27 +76,40 @@ class Priced(NamedTuple):
     """A candidate layout's figures under the mask."""
 
     name: str
-    layout: Layout
+    layout: Layout | None
+    """None for a contiguous candidate priced on its cuts (built only if chosen)."""
     imbalance: float
     """Layer-weighted imbalance over all grouped ranks."""
     comm_tokens: int
     """Layer-weighted critical-path exchange, the worst group's."""
+    tokens: int
+    """Tokens on the fullest rank (the plan pads every rank of its group to it)."""
 
 
 def price(name: str, layout: Layout, request: PlanRequest, mode: str) -> Priced:
-    """``layout`` under the request's mask in ``mode``. O(G s log s)."""
+    """``layout`` under the request's mask in ``mode``. O(G s log s); under all-to-all-v
+    the shards as given, one sort for all windows (``window_work.alltoallv_figures_of``)."""
     work: list[int] = []
-    comm = 0
+    comm = most = 0
     for group in layout.groups:
-        shards, arrays = canonical_group([list(rank) for rank in group.shards])
-        if arrays is None:
-            arrays = int_arrays(shards)
-        tokens = max(sum(s.end - s.start for s in rank) for rank in shards)
-        figures = ww.mask_figures_of(arrays, request.mask, comm_mode=mode,
-                                     tokens_per_rank=tokens)
-        work += figures.workload
-        comm = max(comm, figures.comm_tokens)
-    return Priced(name, layout, imbalance(work), comm)
+        arrays = cost.shard_arrays([list(rank) for rank in group.shards]) \
+            if mode == "alltoallv" else None
+        if arrays is not None:
+            loads, group_comm = ww.alltoallv_figures_of(arrays, request.mask)
+            tokens = int(cost.per_rank_sums(arrays.end - arrays.start, arrays.bounds).max(
+                initial=0))
+        else:
+            shards, arrays = canonical_group([list(rank) for rank in group.shards])
+            if arrays is None:
+                arrays = int_arrays(shards)
+            tokens = max(sum(s.end - s.start for s in rank) for rank in shards)
+            figures = ww.mask_figures_of(arrays, request.mask, comm_mode=mode,
+                                         tokens_per_rank=tokens)
+            loads, group_comm = figures.workload, figures.comm_tokens
+        work += loads
+        comm = max(comm, group_comm)
+        most = max(most, tokens)
+    return Priced(name, layout, imbalance(work), comm, most)
 
 
 def group_imbalances(layout: Layout, request: PlanRequest) -> list[float]:
@@ -107,8 +139,11 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
     slack = target - 1.0
     priced: list[Priced] = []
 
-    def attempt(name: str, make: Callable[[], Layout]) -> None:
-        layout = listed(make())
+    def attempt(name: str, make: Callable[[], Layout | None]) -> None:
+        made = make()
+        if made is None:
+            return
+        layout = listed(made)
         if bound is not None and layout_peak(layout, mode) > bound:
             return
         priced.append(price(name, layout, request, mode))
@@ -120,12 +155,40 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
         return lambda: flashcp_layout(doc_lengths, replace(request, imbalance_target=r))
 
     priced.append(price("flashcp", listed(base(doc_lengths, request)), request, mode))
-    attempt("contiguous_halo", lambda: contiguous_halo_layout(doc_lengths, request))
-    if met():
-        for factor in LOOSER:
-            r = min(100.0, 1.0 + factor * slack)
-            attempt(f"flashcp R={r:g}", causal_at(r))
-    else:
+    prefix = WeightedPrefix(doc_lengths, request.mask)
+    total, n = prefix.offsets[-1], request.cp_size
+    built: dict[str, Callable[[], Layout]] = {}
+
+    def closed(name: str, figures: tuple[float, int], most: int,
+               make: Callable[[], Layout]) -> None:
+        priced.append(Priced(name, None, figures[0], figures[1], most))
+        built[name] = make
+
+    # Under all-to-all-v without a KV bound the contiguous and chunked candidates are
+    # priced in closed form and only the chosen one is built.
+    fast = mode == "alltoallv" and bound is None
+    padded = math.floor(target * -(-total // n)) if n else 0
+    for name, cuts in (("contiguous_halo", range_bounds(total, n)),
+                       ("weighted_contiguous", weighted_cuts(prefix, n, target, padded))):
+        if not cuts:
+            continue
+        make = partial(contiguous_layout, doc_lengths, cuts)
+        if fast:
+            closed(name, contiguous_figures(prefix, cuts, request.mask),
+                   max(b - a for a, b in zip(cuts, cuts[1:], strict=False)), make)
+        else:
+            attempt(name, make)
+    per_rank = 2
+    while not met() and per_rank <= MAX_CHUNKS and per_rank * n <= total:
+        chunks = chunk_ranks(prefix, n, per_rank)
+        make = partial(chunked_layout, doc_lengths, chunks)
+        if fast:
+            imb, comm, most = chunked_figures(prefix, chunks, request.mask)
+            closed(f"chunks {per_rank}", (imb, comm), most, make)
+        else:
+            attempt(f"chunks {per_rank}", make)
+        per_rank *= 2
+    if not met():
         for share in TIGHTER:
             r = 1.0 + share * slack
             attempt(f"flashcp R={r:g}", causal_at(r))
@@ -138,13 +201,15 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
         best = min(within, key=lambda p: (p.comm_tokens, p.imbalance))
     else:
         best = min(priced, key=lambda p: p.imbalance)
-    info = {k: v for k, v in best.layout.info.items()
+    layout = best.layout or built[best.name]()
+    info = {k: v for k, v in layout.info.items()
             if k not in ("imbalance_target_met", "imbalance_reached")}
     info.update({
         "imbalance_target": target,
         "objective": mode,
         "mask_candidate": best.name,
         "mask_candidates": [{"candidate": p.name, "weighted_imbalance": p.imbalance,
-                             "weighted_comm_tokens": p.comm_tokens} for p in priced],
+                             "weighted_comm_tokens": p.comm_tokens, "max_tokens": p.tokens}
+                            for p in priced],
     })
-    return Layout(best.layout.groups, declared(info, (best.imbalance,), target))
+    return Layout(layout.groups, declared(info, (best.imbalance,), target))
