@@ -46,7 +46,7 @@ inputs = st.one_of(
 
 RING_STRATEGIES = ("ring", "zigzag")
 """Their plans run as rings; a ring too large for the step-time model to price
-(core/masked_work.MAX_RING_PAIRS) is refused on ``comm_mode``."""
+(core/step_time/runs.MAX_RING_PAIRS) is refused on ``comm_mode``."""
 
 
 def check_case(strategy, case):

@@ -1,12 +1,12 @@
 """Tiles of a windowed varlen call (core/window_tiles.py) against the pair-by-pair count,
-and causal segments' tiles of core/segment_work.py for windows no position reaches."""
+and causal segments' tiles of core/step_time/segment_calls.py for windows no position reaches."""
 
 import random
 
 import numpy as np
 import pytest
 
-from planner_service.core import segment_work as sgw
+from planner_service.core.step_time import segment_calls as sgw
 from planner_service.core.window_tiles import reference_window_tiles, window_tiles_of
 
 

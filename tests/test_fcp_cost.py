@@ -10,9 +10,8 @@ import pytest
 
 from planner_service.core.model import ModelSpec
 from planner_service.core.profiles import get_kernel_profile, get_link_profile
-from planner_service.core.step_time import forward_share
+from planner_service.core.step_time import PATH_MODELS, forward_share
 from planner_service.fcp.cost_model import (
-    OVERLAP_OF_PATH,
     PROFILES,
     FcpProfile,
     attention_units,
@@ -105,8 +104,9 @@ def test_overlap_follows_the_runtime_kernel():
     assert PROFILES["h100-llama3-8b"].forward_share == pytest.approx(
         forward_share(get_kernel_profile("h100-fa3")))
     # Each path's rule; the gathered flash path (opt-out) hides nothing; both rings the ring's.
-    assert OVERLAP_OF_PATH == {"segments": "local", "gathered": "none", "ring": "ring",
-                               "segment_ring": "ring"}
+    assert {p: m.hides for p, m in PATH_MODELS.items()} == {
+        "segments": "local", "gathered": "none", "lean": "local", "ring": "ring",
+        "segment_ring": "ring"}
     # A derived profile takes the path FCP's own (gather) exchange runs on under flash-attn,
     # not the segment ring a p2p_ring plan runs as; the PyTorch kernel's ring.
     assert [profile_path(get_kernel_profile(k)) for k in ("h100-fa3", "h100-fa2", "cpu-torch")] == [

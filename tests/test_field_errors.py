@@ -54,7 +54,7 @@ CHECKED_BY_THE_STRATEGY = [
     ({"strategy": "fcp", "options": {"memory_tokens": 16}}, "options.memory_tokens"),
     ({"strategy": "fcp", "options": {"search": "exhaustive"}}, "options.search"),
     ({"strategy": "fcp", "options": {"profile": "nope"}}, "options.profile"),
-    # A ring too large for the step-time model to price (masked_work.MAX_RING_PAIRS).
+    # A ring too large for the step-time model to price (step_time.runs.MAX_RING_PAIRS).
     ({"strategy": "zigzag", "doc_lengths": [131072], "cp_size": 1024}, "comm_mode"),
 ]
 """Found by the strategy's own option checks, when it solves."""

@@ -412,8 +412,8 @@ def test_a_ring_too_large_to_price_is_refused_before_any_solve(http):
 
 
 def test_the_ring_floor_is_at_most_the_real_pairs():
-    from planner_service.core.masked_work import ring_pairs
     from planner_service.core.request import PlanRequest
+    from planner_service.core.step_time.runs import ring_pairs
     from planner_service.service.cost_gate import ring_pairs_floor
     from planner_service.solvers.registry import solve
 

@@ -36,7 +36,7 @@ from timing import scaled
 from planner_service.core.build import GroupLayout, Layout, build_plan
 from planner_service.core.plan import Plan, Shard
 from planner_service.core.request import PlanRequest
-from planner_service.core.segment_ring_work import segment_ring_calls
+from planner_service.core.step_time.segment_ring import segment_ring_calls
 from planner_service.core.validate import validate_plan
 from planner_service.solvers.registry import solve
 from worker_runtime import (
@@ -140,7 +140,7 @@ def test_ring_calls_cover_every_document_mask_pair_exactly_once(seed: int, cp_si
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10**6), st.integers(2, 8), st.sampled_from(SOURCES))
 def test_the_models_ring_calls_are_the_runtimes(seed: int, cp_size: int, source: str) -> None:
-    """core/segment_ring_work.segment_ring_calls (what the step-time model prices) lists,
+    """core/step_time/segment_ring.segment_ring_calls (what the step-time model prices) lists,
     per rank and step, the runtime's calls: same query group, first query and key row,
     and query and key rows per segment."""
     plan = source_plan(seed, cp_size, source)

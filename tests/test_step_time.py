@@ -1,6 +1,6 @@
 """The step-time model describes what the runtime runs, and its profile follows the kernel.
 
-The PyTorch kernel's blocks (core/masked_work.py) are checked against the runtime's own
+The PyTorch kernel's blocks (core/step_time/blocks.py) are checked against the runtime's own
 metadata, the vectorised group forms against the rank-by-rank references, and the overlap
 and ring terms against their formulas written out by hand.
 """
@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 
 from planner_service.core import cost, profiles
-from planner_service.core import masked_work as mw
-from planner_service.core import segment_work as sgw
 from planner_service.core.build import GroupLayout, Layout, build_plan, canonical_shards
 from planner_service.core.metrics import group_metrics
 from planner_service.core.model import ModelSpec
@@ -48,6 +46,11 @@ from planner_service.core.step_time import (
     ring_shift_ms,
     transfer_ms,
 )
+from planner_service.core.step_time import segment_calls as sgw
+from planner_service.core.step_time.blocks import NO_BLOCKS
+from planner_service.core.step_time.lean import group_lean_work, lean_work
+from planner_service.core.step_time.ring import group_ring_work, ring_step_work
+from planner_service.core.step_time.runs import ring_pairs, sort_shards
 from planner_service.solvers.registry import solve
 from worker_runtime import ContextParallelAttention, build_comm_map, build_layout
 from worker_runtime.attention import FLASH_PATHS as RUNTIME_FLASH_PATHS
@@ -128,7 +131,7 @@ def test_lean_and_ring_blocks_equal_the_runtime_metadata(strategy, n):
         r = lay.num_real
         doc, pos = lay.doc_ids[:r], lay.positions[:r]
         rows = remote_query_rows(lay, comm)
-        lean = mw.lean_work(lay.shards, bq, bk)
+        lean = lean_work(lay.shards, bq, bk)
         assert lean.local[:3] == _meta_counts(build_masked_meta(doc, pos, doc, pos, block_q=bq, block_k=bk))
         remote = build_masked_meta(doc[rows], pos[rows], comm.remote_doc, comm.remote_pos,
                                    block_q=bq, block_k=bk)
@@ -140,7 +143,7 @@ def test_lean_and_ring_blocks_equal_the_runtime_metadata(strategy, n):
             key_doc, key_pos = slot_rows(lay, slot)
             seen = rows_seeing(doc, pos, key_doc, key_pos)
             meta = build_masked_meta(doc[seen], pos[seen], key_doc, key_pos, block_q=bq, block_k=bk)
-            got = mw.ring_step_work(lay.shards, group.shards[slot], bq, bk)
+            got = ring_step_work(lay.shards, group.shards[slot], bq, bk)
             assert (got[:3], got.queries) == (_meta_counts(meta), len(seen)), (rank, s)
 
 
@@ -151,19 +154,19 @@ def test_group_blocks_equal_the_per_rank_reference(seed):
     shards = random_group(rng, n, rng.randint(1, 6), 400)
     bq, bk = rng.choice([4, 16, 256]), rng.choice([8, 64, 1024])
     a = cost.shard_arrays(shards)
-    s = mw.sort_shards(a.rank, a.doc, a.start, a.end, n)
-    lean = mw.group_lean_work(s, bq, bk)
-    ring = mw.group_ring_work(s, bq, bk)
+    s = sort_shards(a.rank, a.doc, a.start, a.end, n)
+    lean = group_lean_work(s, bq, bk)
+    ring = group_ring_work(s, bq, bk)
     entries = {(int(i), int(st)): k for k, (i, st) in enumerate(zip(ring.rank, ring.step, strict=True))}
     for i in range(n):
-        want = mw.lean_work(shards[i], bq, bk)
+        want = lean_work(shards[i], bq, bk)
         assert tuple(int(x[i]) for x in lean.local) == tuple(want.local)
         assert tuple(int(x[i]) for x in lean.remote) == tuple(want.remote)
         assert int(lean.remote_keys[i]) == want.remote_keys
         for st in range(1, n):
-            want_step = mw.ring_step_work(shards[i], shards[(i - st) % n], bq, bk)
+            want_step = ring_step_work(shards[i], shards[(i - st) % n], bq, bk)
             k = entries.get((i, st))
-            got = mw.NO_BLOCKS if k is None else tuple(int(x[k]) for x in ring.blocks)
+            got = NO_BLOCKS if k is None else tuple(int(x[k]) for x in ring.blocks)
             assert tuple(got) == tuple(want_step), (i, st)
 
 
@@ -434,7 +437,7 @@ def test_lean_overlap_hides_the_exchange_behind_the_local_call_exactly():
               model=CPU_MODEL, kernel=TORCH, link=GLOO)
     on, off = rank_step(shards, **kw), rank_step(shards, **kw, overlap=False)
     terms = rank_terms(shards, **kw)
-    lean = mw.lean_work(shards, TORCH.tile_q, TORCH.tile_k)
+    lean = lean_work(shards, TORCH.tile_q, TORCH.tile_k)
     assert lean.remote.queries == 512 and lean.remote_keys == 512
     local = KernelWork(lean.local.pairs, lean.local.tiles, 2, lean.local.row_blocks, 1)
     remote = KernelWork(lean.remote.pairs, lean.remote.tiles, 0, lean.remote.row_blocks, 1)
@@ -477,18 +480,18 @@ def test_ring_terms_written_out():
     shift = ring_shift_ms(t, CPU_MODEL, GLOO)
     assert (terms.passes, off.comm_ms) == (3 * (n - 1), pytest.approx(3 * (n - 1) * shift))
     phi = forward_share(TORCH)
-    local = mw.lean_work(group[3], TORCH.tile_q, TORCH.tile_k).local
+    local = lean_work(group[3], TORCH.tile_q, TORCH.tile_k).local
     k_loc = kernel_ms(KernelWork(local.pairs, local.tiles, 1, local.row_blocks, 1), CPU_MODEL, TORCH)
     fwd = max(0.0, shift - phi * k_loc)
     for s in (1, 2):  # steps 1..N-2 hide the next shift; step N-1 sends nothing
-        b = mw.ring_step_work(group[3], blocks[s - 1], TORCH.tile_q, TORCH.tile_k)
+        b = ring_step_work(group[3], blocks[s - 1], TORCH.tile_q, TORCH.tile_k)
         m = merge_rows(b.queries)
         w = phi * kernel_ms(KernelWork(b.pairs, b.tiles, 0, b.row_blocks, 1), CPU_MODEL, TORCH) + copy_ms(
             m.bytes(CPU_MODEL), TORCH, m.ops)
         fwd += max(0.0, shift - w)
     bwd = max(0.0, shift - (1 - phi) * k_loc) + shift  # the last accumulator, after the loop
     for s in (2, 3):  # steps 2..N-1 hide the previous step's accumulator behind their call
-        b = mw.ring_step_work(group[3], blocks[s - 1], TORCH.tile_q, TORCH.tile_k)
+        b = ring_step_work(group[3], blocks[s - 1], TORCH.tile_q, TORCH.tile_k)
         k_s = kernel_ms(KernelWork(b.pairs, b.tiles, 0, b.row_blocks, 1), CPU_MODEL, TORCH)
         bwd += max(0.0, shift - (1 - phi) * k_s)
     assert on.comm_ms == pytest.approx(fwd + bwd)
@@ -589,8 +592,8 @@ def test_bad_profile_field_is_named():
 
 def test_a_ring_too_large_to_model_is_refused_by_both_forms(monkeypatch):
     shards = [[Shard(0, 8 * i, 8 * i + 8), Shard(1, 8 * i, 8 * i + 8)] for i in range(4)]
-    assert mw.ring_pairs(np.repeat(np.arange(4), 2), np.tile([0, 1], 4)) == 8 * 3
-    monkeypatch.setattr(mw, "MAX_RING_PAIRS", 23)
+    assert ring_pairs(np.repeat(np.arange(4), 2), np.tile([0, 1], 4)) == 8 * 3
+    monkeypatch.setattr("planner_service.core.step_time.runs.MAX_RING_PAIRS", 23)
     kw = dict(tokens_per_rank=16, num_ranks=4, comm_mode="p2p_ring", model=CPU_MODEL, kernel=TORCH,
               link=GLOO)
     for kernel in (TORCH, FA2):  # the PyTorch kernel's ring and flash-attn's segment ring
@@ -599,7 +602,7 @@ def test_a_ring_too_large_to_model_is_refused_by_both_forms(monkeypatch):
             group_steps(cost.shard_arrays(shards), recv_tokens=np.full(4, 48), **kw)
         with pytest.raises(ValueError, match="comm_mode: .* at most 23 .* this group has 24"):
             rank_step(shards[0], recv_tokens=48, ring_blocks=shards[1:], **kw)
-    monkeypatch.setattr(mw, "MAX_RING_PAIRS", 24)
+    monkeypatch.setattr("planner_service.core.step_time.runs.MAX_RING_PAIRS", 24)
     for kernel in (TORCH, FA2):
         kw["kernel"] = kernel
         group_steps(cost.shard_arrays(shards), recv_tokens=np.full(4, 48), **kw)

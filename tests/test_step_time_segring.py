@@ -1,6 +1,6 @@
 """The segment ring (flash-attn, ``p2p_ring``): its calls, their counts and its terms.
 
-The per-rank reference (core/segment_ring_work.py) is checked against the document mask
+The per-rank reference (core/step_time/segment_ring.py) is checked against the document mask
 by brute force and against hand-derived calls; the group form against the reference on
 random groups; the terms against formulas written out by hand and ``group_steps``
 against ``rank_step``.
@@ -15,9 +15,6 @@ import numpy as np
 import pytest
 
 from planner_service.core import cost
-from planner_service.core import masked_work as mw
-from planner_service.core import segment_ring_work as srw
-from planner_service.core import segment_work as sgw
 from planner_service.core.build import GroupLayout, Layout, build_plan
 from planner_service.core.model import ModelSpec
 from planner_service.core.paths import PATHS, RING_PATHS
@@ -39,6 +36,9 @@ from planner_service.core.step_time import (
     segment_merge_rows,
     segment_ring_rows,
 )
+from planner_service.core.step_time import segment_calls as sgw
+from planner_service.core.step_time import segment_ring as srw
+from planner_service.core.step_time.runs import sort_shards
 from planner_service.solvers.registry import solve
 from tests.test_step_time import random_group
 
@@ -123,7 +123,7 @@ def test_calls_written_out_with_a_hollow_and_a_zero_query_segment():
     assert work == srw.RingStepCalls(sgw.Calls(9 * 128 * 64, 9, 6, 5, 3, 310, 540), 1, 110, 0, 1)
     # The group form, both ranks (B's doc 0 [200, 400) and doc 2 see A's rows below them).
     a = cost.shard_arrays([mine, block])
-    got = srw.group_segment_ring_work(mw.sort_shards(a.rank, a.doc, a.start, a.end, 2), 128, 64)
+    got = srw.group_segment_ring_work(sort_shards(a.rank, a.doc, a.start, a.end, 2), 128, 64)
     assert (got.rank.tolist(), got.step.tolist()) == ([0, 1], [1, 1])
     (theirs,) = srw.segment_ring_work(block, [mine], 128, 64)
     for k, want in enumerate((work, theirs)):
@@ -183,7 +183,7 @@ def test_group_segment_ring_work_equals_the_reference(seed):
     n = len(group)
     tq, tk = rng.choice([(128, 64), (128, 128), (16, 24), (8, 8), (64, 128)])
     a = cost.shard_arrays(group)
-    got = srw.group_segment_ring_work(mw.sort_shards(a.rank, a.doc, a.start, a.end, n), tq, tk)
+    got = srw.group_segment_ring_work(sort_shards(a.rank, a.doc, a.start, a.end, n), tq, tk)
     assert list(zip(got.rank.tolist(), got.step.tolist(), strict=True)) == sorted(
         zip(got.rank.tolist(), got.step.tolist(), strict=True))
     entry = {(int(r), int(s)): k for k, (r, s) in enumerate(zip(got.rank, got.step, strict=True))}
@@ -201,8 +201,8 @@ def test_group_segment_ring_work_equals_the_reference(seed):
 def test_the_group_form_is_refused_above_the_ring_cap(monkeypatch):
     group = [[Shard(0, 8 * i, 8 * i + 8), Shard(1, 8 * i, 8 * i + 8)] for i in range(4)]
     a = cost.shard_arrays(group)
-    s = mw.sort_shards(a.rank, a.doc, a.start, a.end, 4)
-    monkeypatch.setattr(mw, "MAX_RING_PAIRS", 23)
+    s = sort_shards(a.rank, a.doc, a.start, a.end, 4)
+    monkeypatch.setattr("planner_service.core.step_time.runs.MAX_RING_PAIRS", 23)
     with pytest.raises(ValueError, match="comm_mode: .* at most 23 .* this group has 24"):
         srw.group_segment_ring_work(s, 128, 64)
 

@@ -13,7 +13,7 @@ last key (FlashAttention-2/3 ``n_block_min`` / ``n_block_max`` for local attenti
     tiles = floor(last / tile_k) - floor(first / tile_k) + 1.
 
 Causal (W None, or W > every position): ``first = 0`` and the count is
-``ceil(q1 / tile_k)``, ``segment_work.causal_tiles_of``. A started tile costs a whole
+``ceil(q1 / tile_k)``, ``step_time.segment_calls.causal_tiles_of``. A started tile costs a whole
 tile, as on the segments path.
 
 :func:`window_tiles_of` is the numpy form (O(query tiles)); :func:`reference_window_tiles`

@@ -34,7 +34,7 @@ core/request.py:
 A hybrid model's figures are the layer-weighted sums over the mask's groups
 (:func:`mask_figures`). Two forms of every figure: numpy over ``cost.ShardArrays`` (the
 ``*_of`` functions, O(s log s) for s shards, the ring O(s log s + t) for t (shard, other
-holder of its doc) pairs, refused above ``masked_work.MAX_RING_PAIRS``) and a token by
+holder of its doc) pairs, refused above ``step_time.runs.MAX_RING_PAIRS``) and a token by
 token reference (the ``reference_*`` functions, sets of keys, O(tokens x W)), compared in
 tests/test_core_window_work.py; W >= every doc reproduces core/cost.py's causal figures.
 """
@@ -47,9 +47,9 @@ from typing import NamedTuple
 import numpy as np
 
 from planner_service.core import cost
-from planner_service.core import masked_work as mw
 from planner_service.core.mask import AttentionMask
 from planner_service.core.plan import Shard
+from planner_service.core.step_time.runs import ring_seen, sort_shards
 
 
 def shard_window_workload(start: int, end: int, window: int | None) -> int:
@@ -160,14 +160,14 @@ class RingSchedule(NamedTuple):
 
 def ring_schedule_of(arrays: cost.ShardArrays, window: int | None) -> RingSchedule:
     """``RingSchedule`` of a group (module docstring). O(s log s + t) for t (shard, other
-    holder of its doc) pairs: the pairs of ``masked_work.ring_seen`` (the other rank holds
+    holder of its doc) pairs: the pairs of ``step_time.runs.ring_seen`` (the other rank holds
     tokens of the doc below the shard's start), kept where the last of them ends inside
-    the window; FieldError on ``comm_mode`` above ``masked_work.MAX_RING_PAIRS``."""
+    the window; FieldError on ``comm_mode`` above ``step_time.runs.MAX_RING_PAIRS``."""
     n = len(arrays.bounds) - 1
     useful = np.zeros((n, n), dtype=bool)
     rank, doc, start, end = _nonempty(arrays)
-    srt = mw.sort_shards(rank, doc, start, end, n)
-    seen = mw.ring_seen(srt)
+    srt = sort_shards(rank, doc, start, end, n)
+    seen = ring_seen(srt)
     if len(seen.shard) == 0:
         return RingSchedule(useful)
     shard, other = seen.shard, seen.other

@@ -17,29 +17,26 @@ writes ``|s_k|``, which is the same up to that factor. ``v(d)`` is the group's P
 bandwidth (the paper's ``v_p``): intra-node when the group fits in one node, inter-node
 otherwise (groups are placed node-aligned when they fit).
 
-``H``, the hidden part of the exchange, follows what the worker runtime can hide
-(core/step_time.py), not the paper's ``min(T_cpa, T_cma)``. The bandwidth part ``T_cma``
-is three equal transfers (forward K/V, backward K/V, backward dK/dV: ``alpha3 = 3`` K/V
-bytes per token, a ring's), ``T_cpa = alpha1 W / d`` and ``phi`` the forward share of a
-call (``forward_share``):
+``H``, the hidden part of the exchange, follows what the worker runtime hides on the path
+a profile describes (the path model's ``hides``, core/step_time/), not the paper's
+``min(T_cpa, T_cma)``. ``T_cma`` is three equal transfers (forward K/V, backward K/V,
+backward dK/dV: ``alpha3 = 3`` K/V bytes per token, a ring's), ``T_cpa = alpha1 W / d``,
+``phi`` the forward share of a call (``forward_share``):
 
-- ``overlap = "local"`` (flash-attn on the runtime's default segments path, the gather
-  modes): the exchange is K/V forward and dK/dV back (no backward K/V: its third counts as
-  hidden); the forward exchange hides behind the forward share of the rank's attention
-  on its own keys and the dK/dV return behind the backward share, as in step_time's
-  lean formula. A rank's own keys are taken as 1/d of the keys its queries see (a
-  sequence spread over the d ranks):
-  ``H = T_cma / 3 + min(T_cma / 3, phi T_cpa / d) + min(T_cma / 3, (1 - phi) T_cpa / d)``;
-- ``"none"`` (flash-attn on its gathered path: blocking exchange): ``H = 0``;
-- ``"ring"`` (the PyTorch kernel's ring, flash-attn's segment ring): the backward K/V travels beside the dK/dV
-  accumulators (hidden), the forward K/V hides behind the forward attention of all but
-  the last step, and d - 2 of the d - 1 accumulators hide behind the next step's backward
-  attention (the last is waited for after the loop):
+- ``"local"`` (flash-attn's segments path, the gather modes): K/V forward and dK/dV back
+  (the backward K/V third counts as hidden), hidden behind the forward and the backward
+  share of the rank's attention on its own keys, taken as 1/d of the keys its queries
+  see: ``H = T_cma / 3 + min(T_cma / 3, phi T_cpa / d) + min(T_cma / 3, (1 - phi) T_cpa / d)``;
+- ``"none"`` (flash-attn's gathered path: blocking exchange): ``H = 0``;
+- ``"ring"`` (the PyTorch kernel's ring, flash-attn's segment ring): the backward K/V
+  travels beside the dK/dV accumulators (hidden), the forward K/V hides behind the forward
+  attention of all but the last step, d - 2 of the d - 1 accumulators behind the next
+  step's backward attention (the last is waited for after the loop):
   ``H = T_cma / 3 + min(T_cma / 3, phi T_cpa (d - 1) / d)
   + min(T_cma (d - 2) / (3 (d - 1)), (1 - phi) T_cpa (d - 2) / d)``.
 
-All times are milliseconds per transformer layer, forward plus backward; a whole step is
-this times the layer count, which changes no decision.
+All times are ms per transformer layer, forward plus backward (a step is this times the
+layer count, which changes no decision).
 """
 
 from __future__ import annotations
@@ -54,6 +51,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from planner_service.core.model import ModelSpec
+from planner_service.core.paths import ExecutionPath
 from planner_service.core.profiles import (
     KernelProfile,
     LinkProfile,
@@ -63,9 +61,10 @@ from planner_service.core.profiles import (
 )
 from planner_service.core.step_time import (
     BWD_FLOP_RATIO,
-    RUNTIME_FLASH_PATH,
+    PATH_MODELS,
     execution_path,
     forward_share,
+    linear_ms,
 )
 
 PROFILE_FORMAT = "cp-planner-fcp-profile/v1"
@@ -74,8 +73,6 @@ OVERLAPS = ("none", "ring", "local")
 OPTIONAL = {"overlap": "none", "forward_share": 0.0}
 """Fields a profile dict may leave out, with their defaults (profiles written before them:
 nothing hidden, as on the gathered flash path)."""
-OVERLAP_OF_PATH = {"segments": "local", "gathered": "none", "ring": "ring", "segment_ring": "ring"}
-"""The overlap rule of each runtime path (step_time.execution_path) it describes."""
 T = TypeVar("T")
 
 
@@ -108,9 +105,8 @@ class FcpProfile:
     source: str
     """Where the numbers come from (derivation or fit)."""
     overlap: str = "none"
-    """What the runtime hides of the exchange (OVERLAPS, module docstring): ``local``
-    (flash-attn's segments path), ``none`` (its gathered path) or ``ring`` (the PyTorch
-    kernel)."""
+    """What the runtime hides of the exchange (OVERLAPS, module docstring; a path model's
+    ``hides``): ``local`` (segments path), ``none`` (gathered) or ``ring`` (the rings)."""
     forward_share: float = 0.0
     """The forward pass's share of attention time (``ring``, ``local``;
     step_time.forward_share)."""
@@ -164,12 +160,11 @@ class FcpProfile:
         return cls(**{k: data[k] for k in names if k in data})
 
 
-def profile_path(kernel: KernelProfile) -> str:
-    """The runtime path whose overlap rule a derived profile takes: under flash-attn its
-    default flash path, where the plans of FCP's own exchange (all-to-all-v, a gather mode)
-    run (a ``p2p_ring`` plan's segment ring is not what FCP's plans run); under the PyTorch
-    kernel its ring (FCP's groups are rings; its gather-mode lean path has no rule here)."""
-    return RUNTIME_FLASH_PATH if kernel.tiling == "segment" else execution_path(kernel, "p2p_ring")
+def profile_path(kernel: KernelProfile) -> ExecutionPath:
+    """The path whose overlap a derived profile takes: flash-attn's default flash path, where
+    FCP's own (gather-mode) exchange runs, not the segment ring of a ``p2p_ring`` plan; the
+    PyTorch kernel's ring (FCP's groups are rings)."""
+    return execution_path(kernel, "p2p_ring" if kernel.tiling == "packed" else "alltoallv")
 
 
 def derive_profile(
@@ -185,10 +180,9 @@ def derive_profile(
     ModelSpec.linear_flops_per_token) at the dense GEMM rate. beta1: one kernel launch
     sequence. alpha3: ring attention moves each remote KV block once forward and KV plus
     dKV backward, 3 x the KV bytes of a token. beta2: one link latency per pass (fwd, bwd).
-    overlap: what the runtime hides with this kernel on :func:`profile_path`
-    (OVERLAP_OF_PATH: ``ring`` for the PyTorch kernel, whose ``p2p_ring`` runs as a ring;
-    ``local`` for flash-attn, whose segments path overlaps the exchange with the attention
-    on the rank's own keys).
+    overlap: what the runtime hides with this kernel on :func:`profile_path` (the path
+    model's ``hides``, step_time.PATH_MODELS: ``ring`` for the PyTorch kernel's ring,
+    ``local`` for flash-attn's segments path).
     """
     pair_flops = 4.0 * model.num_heads * model.head_dim
     per_flop_s = 1.0 / (kernel.fwd_tflops * 1e12) + BWD_FLOP_RATIO / (kernel.bwd_tflops * 1e12)
@@ -196,14 +190,14 @@ def derive_profile(
         name=name,
         alpha1=0.5 * pair_flops * per_flop_s * 1e3,
         eta_full=1.0,
-        alpha2=model.linear_flops_per_token / (kernel.linear_tflops * 1e12) * 1e3,
+        alpha2=linear_ms(1, model, kernel),
         beta1=kernel.call_overhead_us * 1e-3,
         alpha3=3.0 * model.kv_bytes_per_token,
         bandwidth_gbps=link.bandwidth_gbps,
         inter_node_bandwidth_gbps=inter_link.bandwidth_gbps,
         ranks_per_node=ranks_per_node,
         beta2=2.0 * link.latency_us * 1e-3,
-        overlap=OVERLAP_OF_PATH[profile_path(kernel)],
+        overlap=PATH_MODELS[profile_path(kernel)].hides,
         forward_share=forward_share(kernel),
         source=(
             f"derived (fcp/cost_model.py derive_profile) from kernel {kernel.name} ({kernel.source}), "

@@ -16,7 +16,7 @@ O(documents) time, before the executor admits it:
   solved. The other strategies make few shards per doc (whole docs, and cuts only of
   the docs no rank can hold); their plans are checked against the same limit after the
   solve (worker_tasks.solve_in_worker), which the work bound PLANNER_MAX_SHARDS keeps short.
-- **ring size**: a ``p2p_ring`` plan is priced only up to ``masked_work.MAX_RING_PAIRS``
+- **ring size**: a ``p2p_ring`` plan is priced only up to ``step_time.runs.MAX_RING_PAIRS``
   (shard, other holder of its doc) pairs. ``per_doc`` and ``zigzag`` place the tokens of a
   doc of length L on exactly min(L, N) ranks (``solvers.common.zigzag_doc_shards``), each
   holding at least one shard of it, so their pairs are at least the sum over docs of
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from planner_service.core.errors import FieldError
-from planner_service.core.masked_work import MAX_RING_PAIRS
+from planner_service.core.step_time.runs import MAX_RING_PAIRS
 from planner_service.service.lanes import FAST, SLOW
 
 LANES = (FAST, SLOW)

@@ -7,7 +7,7 @@ model, kernel and link profiles (core/step_time.py). The least ``est_step_ms`` w
 going to the earlier candidate (CANDIDATES order, then MODES order). ``p2p_ring`` is a
 candidate mode where the runtime runs it as a ring (``step_time.RING_PATHS``: the PyTorch
 kernel's ring, flash-attn's segment ring on its default flash path), unless the ring is too
-large to model (``masked_work.MAX_RING_PAIRS``; recorded under ``skipped``). A
+large to model (``step_time.runs.MAX_RING_PAIRS``; recorded under ``skipped``). A
 ``compact_allgather`` candidate whose saving is 0 (its largest buffer is a whole rank's
 tokens, so every rank sends as much as under ``full``: docs/strategies.md) is not a
 choice unless the request names that mode: its prediction is listed with

@@ -1,13 +1,24 @@
-"""The varlen calls of a ring step on the flash path (``segment_ring``), counted.
+"""The ``segment_ring`` path: flash-attn's varlen calls on a ``p2p_ring`` plan, a ring of them.
 
-A ``p2p_ring`` plan under flash-attn runs as a ring whose steps are varlen calls
-(worker_runtime, the shared segment-ring spec). Step 0 is the segments path's local calls
-``A(j, i)`` (core/segment_work.py). At step s = 1 .. N - 1 a rank holds the block of slot
-``i - s``: that slot's whole local K/V, its shards in (doc, start) order, then padding, so
-one doc's tokens are one run of the block, sorted by position. Shards of one doc on two
-ranks are disjoint, so a local query shard ``S = [s, e)`` of doc d sees exactly the
-block's doc-d tokens below s: a prefix of d's run, ``seen(S)`` rows, every one of them
-(a full rectangle).
+flash-attn on the segments flash path with ``p2p_ring`` (worker_runtime, the shared
+segment-ring spec): the ring of shifts.py on varlen calls. Step 0 is the segments path's
+local calls ``A(j, i)`` (segment_calls.py; own keys, gathered into (group, document) order
+unless in place) merged into the float32 accumulators while shift 0 is in flight; step s
+runs one full call per (query group, class of its documents with one shard count) that
+sees a key of the block, reading the block in place, merged by log-sum-exp. Backward as
+``ring``: the blocks circulate again with a T-row dK/dV accumulator each; nothing remote
+is kept between the passes.
+
+Cost: **calls** the local calls and every step's calls (``per_seq_us`` per segment of
+every call; full rectangles, hollow and zero-query segments as below); **copies**
+:func:`segment_ring_rows`; **transfers** 3 (N - 1) shifts, hidden as shifts.py says (each
+step's merge copies: :func:`segments.segment_merge_rows`).
+
+At step s = 1 .. N - 1 a rank holds the block of slot ``i - s``: that slot's whole local
+K/V, its shards in (doc, start) order, then padding, so one doc's tokens are one run of
+the block, sorted by position. Shards of one doc on two ranks are disjoint, so a local
+query shard ``S = [s, e)`` of doc d sees exactly the block's doc-d tokens below s: a
+prefix of d's run, ``seen(S)`` rows, every one of them (a full rectangle).
 
 Per query group j (the documents with more than j shards here, ordered by shard count
 descending, then doc id, as the local buffer), the documents split into *classes*: the
@@ -27,11 +38,11 @@ a zero-query segment none. A started tile costs a whole tile (``pairs`` = tiles 
 tile_k, as on the segments path).
 
 Two forms: per rank (:func:`segment_ring_calls`, :func:`segment_ring_work`: the reference,
-plain Python over the spec, from the rank's shards and its ring blocks) and a whole group
-at once (:func:`group_segment_ring_work`: numpy over the (shard, other holder of its doc)
-pairs of ``masked_work.ring_seen``, no loop over ranks, capped by
-``masked_work.MAX_RING_PAIRS``), compared on random groups in tests. Shards are taken in
-(doc, start) order, disjoint, as plans hold them.
+plain Python over the spec, from the rank's shards and its ring blocks, O(M^2 D + N
+(shards + block shards) M)) and a whole group at once (:func:`group_segment_ring_work`:
+numpy over the (shard, other holder of its doc) pairs of ``runs.ring_seen``, no loop over
+ranks, capped by ``runs.MAX_RING_PAIRS``), compared on random groups in tests. Shards are
+taken in (doc, start) order, disjoint, as plans hold them.
 """
 
 from __future__ import annotations
@@ -42,9 +53,35 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from planner_service.core import masked_work as mw
-from planner_service.core import segment_work as sgw
 from planner_service.core.plan import Shard
+from planner_service.core.step_time.runs import SortedShards, ring_seen, sort_shards
+from planner_service.core.step_time.segment_calls import (
+    Calls,
+    SegmentWork,
+    group_segment_work,
+    segment_work,
+)
+from planner_service.core.step_time.segments import (
+    calls_work,
+    segment_backward_window_rows,
+    segment_forward_window_rows,
+    segment_merge_rows,
+)
+from planner_service.core.step_time.shifts import (
+    group_ring_hiding,
+    ring_blocks,
+    ring_exchange,
+    ring_hiding,
+)
+from planner_service.core.step_time.terms import (
+    GroupInput,
+    PathModel,
+    RankInput,
+    Rows,
+    Terms,
+    add_work,
+    assemble,
+)
 
 
 class RingSegmentCall(NamedTuple):
@@ -145,7 +182,7 @@ class RingStepCalls(NamedTuple):
     """The calls of one ring step of one rank, summed (ints), or of several steps (summed
     over them), or one entry per (rank, step) (int64 arrays, :func:`group_segment_ring_work`)."""
 
-    calls: sgw.Calls
+    calls: Calls
     hollow_calls: Any
     """Calls with a hollow segment (their parts are masked whole)."""
     masked_rows: Any
@@ -163,7 +200,7 @@ def step_calls(calls: Sequence[RingSegmentCall], real: int, tile_q: int, tile_k:
                 for q, k in zip(c.queries, c.keys, strict=True))
     hollow = [c for c in calls if c.hollow_rows]
     return RingStepCalls(
-        sgw.Calls(tiles * tile_q * tile_k, tiles, sum(c.num_segments for c in calls),
+        Calls(tiles * tile_q * tile_k, tiles, sum(c.num_segments for c in calls),
                   sum(-(-q // tile_q) for c in calls for q in c.queries), len(calls),
                   sum(c.q_rows for c in calls), sum(c.key_rows for c in calls)),
         len(hollow), sum(c.q_rows for c in hollow),
@@ -180,7 +217,7 @@ def segment_ring_work(shards: Sequence[Shard], blocks: Sequence[Sequence[Shard]]
 def summed(steps: Sequence[RingStepCalls]) -> RingStepCalls:
     """Several steps' counts added up (ints)."""
     return RingStepCalls(
-        sgw.Calls(*(sum(st.calls[k] for st in steps) for k in range(len(sgw.Calls._fields)))),
+        Calls(*(sum(st.calls[k] for st in steps) for k in range(len(Calls._fields)))),
         sum(st.hollow_calls for st in steps), sum(st.masked_rows for st in steps),
         sum(st.whole for st in steps), sum(st.steps for st in steps))
 
@@ -194,9 +231,9 @@ class GroupSegmentRing(NamedTuple):
     """int64 arrays, one entry per (rank, step)."""
 
 
-def group_segment_ring_work(s: mw.SortedShards, tile_q: int, tile_k: int) -> GroupSegmentRing:
+def group_segment_ring_work(s: SortedShards, tile_q: int, tile_k: int) -> GroupSegmentRing:
     """:func:`segment_ring_work` of every rank and step with a call. O(s log s + t log t)
-    for t = (own shard, other holder of its doc) pairs (``masked_work.ring_seen``);
+    for t = (own shard, other holder of its doc) pairs (``runs.ring_seen``);
     ValueError above MAX_RING_PAIRS; no loop over ranks, steps or documents.
 
     A pair (query shard x, the block's run of x's doc) with ``seen > 0`` is x's used key
@@ -208,10 +245,10 @@ def group_segment_ring_work(s: mw.SortedShards, tile_q: int, tile_k: int) -> Gro
     between two consecutive pairs whose key segments do not touch.
     """
     n = s.num_ranks
-    seen = mw.ring_seen(s)
+    seen = ring_seen(s)
     empty = np.zeros(0, dtype=np.int64)
     if len(seen.shard) == 0:
-        none = sgw.Calls(empty, empty, empty, empty, empty, empty, empty)
+        none = Calls(empty, empty, empty, empty, empty, empty, empty)
         return GroupSegmentRing(empty, empty, RingStepCalls(none, empty, empty, empty, empty))
     count = len(s.rank)
     j = np.arange(count, dtype=np.int64) - s.run_first[s.run]
@@ -253,9 +290,86 @@ def group_segment_ring_work(s: mw.SortedShards, tile_q: int, tile_k: int) -> Gro
         return np.add.reduceat(np.asarray(v, dtype=np.int64), at_step)
 
     t = per_step(tiles)
-    calls = sgw.Calls(t * tile_q * tile_k, t, per_step(segments),
+    calls = Calls(t * tile_q * tile_k, t, per_step(segments),
                       per_step(cum_qt[b1] - cum_qt[b0]), per_step(np.ones_like(first)),
                       per_step(queries), per_step(keys))
     work = RingStepCalls(calls, per_step(hollow), per_step(hollow * queries),
                          per_step(queries == real[ci]), np.ones(len(at_step), dtype=np.int64))
     return GroupSegmentRing(ci[at_step], cs[at_step], work)
+
+
+def segment_ring_rows(*, tokens_per_rank: Any, real: Any, work: SegmentWork,
+                      ring: RingStepCalls, num_ranks: int) -> Rows:
+    """Rows the copies write, forward + backward (values may be arrays): ``work`` the
+    rank's segments-path counts (its local calls, the steps 0), ``ring`` its steps' calls
+    summed (``ring.steps`` of them with a call). The two windows of the segments path
+    (:func:`segments.segment_forward_window_rows`,
+    :func:`segments.segment_backward_window_rows`: the local buffer's gathers unless in
+    place, the accumulators and each group's first part, the local merges; the local
+    dK/dV, the local calls' log-sum-exp slices and adds, dQ/dK/dV back into ``[T]``), and:
+
+    - forward: the steps' merges (:func:`segments.segment_merge_rows`), the output back
+      into ``[T]`` (zero fill, cast of r rows, an index copy of r rows unless in place);
+      the blocks are read in place;
+    - backward: dO and the output gathered (r rows each, unless in place), the zeroed dQ
+      accumulator (r rows), per step call its log-sum-exp slice (not when it is the whole
+      accumulator), the dQ add (and the masked dQ of a call with a hollow segment) and the
+      dK/dV adds of its key rows into the step's part; the T-row dK/dV accumulators as the
+      ring's (``ring.ring_rows``): zeros for the first and the final add into the own
+      dK/dV (2T, N > 1), the add of each step's part (T per step with a call).
+    """
+    t, r, gathers, c = tokens_per_rank, real, 1 - work.in_place, ring.calls
+    ring_on = num_ranks > 1
+    forward = segment_merge_rows(c.calls, c.queries, ring.hollow_calls, ring.masked_rows) + Rows(
+        0 * r, t + r + gathers * r, 0 * r, 2 + gathers)
+    backward = Rows(ring_on * 2 * t + ring.steps * t, 2 * gathers * r + ring.masked_rows, 0 * r,
+                    2 * gathers + 1 + 4 * c.calls - ring.whole + ring.hollow_calls
+                    + 4 * ring_on + 2 * ring.steps,
+                    c.keys, r + c.queries, c.queries - ring.whole * r)
+    return (segment_forward_window_rows(work, r) + forward
+            + segment_backward_window_rows(work, t, r) + backward)
+
+
+def step_merge_rows(st: RingStepCalls) -> Rows:
+    """A step's merges (of one step, or one entry per (rank, step))."""
+    return segment_merge_rows(st.calls.calls, st.calls.queries, st.hollow_calls, st.masked_rows)
+
+
+def _terms(inp: RankInput | GroupInput, work: SegmentWork, total: RingStepCalls,
+           hiding: Any) -> Terms:
+    step = inp.step
+    local = calls_work(work.local)
+    copies = segment_ring_rows(tokens_per_rank=step.tokens_per_rank, real=inp.real, work=work,
+                               ring=total, num_ranks=step.num_ranks)
+    return assemble(step, add_work(local, calls_work(total.calls)), copies,
+                    ring_exchange(step, inp.recv, local, hiding))
+
+
+def terms(inp: RankInput) -> Terms:
+    """One rank's terms from its calls and its ring blocks (module docstring)."""
+    blocks = ring_blocks(inp)
+    k = inp.step.kernel
+    work = segment_work(inp.shards, k.tile_q, k.tile_k)
+    ring = segment_ring_work(inp.shards, blocks, k.tile_q, k.tile_k)
+    hiding = ring_hiding([(calls_work(st.calls), step_merge_rows(st)) if st.steps else None
+                          for st in ring], inp.step) if inp.step.overlap else None
+    return _terms(inp, work, summed(ring), hiding)
+
+
+def group_terms(inp: GroupInput) -> Terms:
+    """Every rank's terms (:func:`group_segment_ring_work`)."""
+    a, k, n = inp.arrays, inp.step.kernel, inp.step.num_ranks
+    work = group_segment_work(a.rank, a.doc, a.start, a.end, n, k.tile_q, k.tile_k)
+    gr = group_segment_ring_work(sort_shards(a.rank, a.doc, a.start, a.end, n), k.tile_q, k.tile_k)
+    st = gr.work
+
+    def by_rank(x: np.ndarray) -> np.ndarray:
+        return np.bincount(gr.rank, weights=x, minlength=n).astype(np.int64)
+
+    total = RingStepCalls(Calls(*(by_rank(x) for x in st.calls)), *(by_rank(x) for x in st[1:]))
+    hiding = group_ring_hiding(gr.rank, gr.step, calls_work(st.calls), step_merge_rows(st),
+                               inp.step) if inp.step.overlap else None
+    return _terms(inp, work, total, hiding)
+
+
+MODEL = PathModel(terms, group_terms, hides="ring")
