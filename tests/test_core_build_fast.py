@@ -25,7 +25,7 @@ MODES = ("alltoallv", "compact_allgather", "full", "p2p_ring")
 
 def reference_group_metrics(shards_per_rank, padding, *, comm_mode, model, kernel, link):
     """``group_metrics`` shard by shard and rank by rank (the definitions in core/cost.py
-    and core/step_time.py)."""
+    and core/step_time/)."""
     n = len(shards_per_rank)
     tokens = [sum(s.end - s.start for s in rank) for rank in shards_per_rank]
     tokens_per_rank = max(t + p for t, p in zip(tokens, padding, strict=True))

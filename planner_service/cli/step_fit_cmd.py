@@ -21,7 +21,7 @@ def fit_step_profile_cmd(
     base_link: Annotated[str, typer.Option(
         help="Link profile kept where no exchange was measured")] = "gloo-local",
 ) -> None:
-    """Fit the step-time model's kernel, copy and link coefficients (core/step_time.py) from
+    """Fit the step-time model's kernel, copy and link coefficients (core/step_time/) from
     measured per-rank records; write them as a step profile JSON."""
     from planner_service.core.profile_fit import fit_file
 

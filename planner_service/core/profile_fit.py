@@ -1,4 +1,4 @@
-"""Fit the step-time model's coefficients (core/step_time.py) from measured runtime records.
+"""Fit the step-time model's coefficients (core/step_time/) from measured runtime records.
 
     planner fit-step-profile RECORDS.json --out PROFILE.json [--name NAME]
     python -m planner_service.core.profile_fit RECORDS.json --out PROFILE.json [--name NAME]

@@ -20,7 +20,7 @@ from importlib import metadata
 from typing import Any
 
 TILINGS = ("segment", "packed")
-"""How a kernel walks its work (core/step_time.py): per varlen segment (FlashAttention)
+"""How a kernel walks its work (core/step_time/): per varlen segment (FlashAttention)
 or in blocks over the packed rows (the runtime's PyTorch kernel)."""
 
 

@@ -3,7 +3,7 @@
 Every candidate strategy is solved and measured under every exchange the runtime executes
 (or only the request's ``comm_mode`` when it names one), each (strategy, mode) on its own
 since a strategy's objective may follow the exchange (flashcp's does), with the request's
-model, kernel and link profiles (core/step_time.py). The least ``est_step_ms`` wins, ties
+model, kernel and link profiles (core/step_time/). The least ``est_step_ms`` wins, ties
 going to the earlier candidate (CANDIDATES order, then MODES order). ``p2p_ring`` is a
 candidate mode where the runtime runs it as a ring (``step_time.RING_PATHS``: the PyTorch
 kernel's ring, flash-attn's segment ring on its default flash path), unless the ring is too
