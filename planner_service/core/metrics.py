@@ -29,9 +29,7 @@ from planner_service.core.model import ModelSpec
 from planner_service.core.plan import LayerMetrics, Metrics, RankLayerStats, RankStats, Shard
 from planner_service.core.profiles import get_kernel_profile, get_link_profile
 from planner_service.core.step_time import (
-    attention_tiles_of,
     attention_tiles_per_shard,
-    execution_path,
     group_steps,
     held_kv_mode,
     rank_step,
@@ -93,10 +91,7 @@ def group_metrics_of(
         tokens = cost.per_rank_sums(lengths, arrays.bounds).tolist()
         workloads = cost.rank_workloads_of(arrays)
         volumes, _, split_docs = cost.comm_volumes_of(arrays)
-        # Segment tiles of whole shards: only the gathered path's kernel runs those.
-        per_shard = attention_tiles_of(arrays.start, lengths, kernel_profile.tile_q,
-                                       kernel_profile.tile_k) if execution_path(
-            kernel_profile, comm_mode) == "gathered" else None
+        per_shard = None  # group_steps counts the segment tiles where its path runs them
         bounds = arrays.bounds
     tokens_per_rank = max(t + p for t, p in zip(tokens, padding, strict=True))
     full = cost.full_exchange_tokens(n, tokens_per_rank)

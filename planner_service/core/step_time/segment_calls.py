@@ -1,5 +1,8 @@
 """The varlen calls the runtime's flash path (``segments``) makes on one rank, counted.
 
+Shared by the segments path (segments.py) and the segment ring (segment_ring.py: its
+step 0, the local calls).
+
 worker_runtime/segments.py splits a rank's document mask into flash-attn varlen calls. Per
 document held here, its local shards sorted by start ``S_1 .. S_m`` (``S_j = [s_j, e_j)``)
 and the remote gaps ``G_j = [e_{j-1}, s_j)`` (``e_0 = 0``). Documents are ordered by shard
