@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from planner_service.core.cost import doc_workload
+from planner_service.core.request import PlanRequest
 from planner_service.solvers.flashcp import drift, few, runs
 from planner_service.solvers.flashcp.ranks import Ranks
+from planner_service.solvers.registry import solve
 
 
 def layout(n: int, cap: int, held: list[tuple[int, int]]) -> Ranks:
@@ -68,3 +70,52 @@ def test_drift_prediction_is_a_sequence_of_ranks_with_room():
     assert ranks is not None and len(ranks) == 60
     assert (np.bincount(ranks, minlength=3) <= fits).all()
     assert drift.drift_ranks(work, tokens, np.zeros(3, dtype=np.int64), 20, densities) is None
+
+
+@pytest.mark.parametrize("n", (1, 2, 3, 5, 8))
+@pytest.mark.parametrize("seed", range(12))
+def test_loop_steps_place_as_the_rule_doc_by_doc(n, seed):
+    """``few.loop_steps`` (the rest of a run whose prediction misses) from layouts with
+    widely different token counts, some ranks without room, and allowances that stop it."""
+    rng = random.Random(100 + seed)
+    length = rng.choice((1, 2, 3, 9, 40))
+    count = rng.randint(1, 1500)
+    later = [rng.randint(1, length) for _ in range(rng.choice((0, 50)))]
+    rest_tokens = count * length + sum(later)
+    rest_work = count * doc_workload(length) + sum(map(doc_workload, later))
+    cap = -(-rest_tokens // n) + rng.randint(0, 3 * length)
+    held = []
+    for _ in range(n):
+        tokens = rng.choice((0, cap, cap - length + 1, rng.randint(0, cap)))
+        held.append((tokens, tokens * rng.randint(1, 2 * length)))
+    allowed = rng.choice((1.0, 1.05, 100.0)) * (rest_work + sum(w for _, w in held)) / n
+    slow, fast = layout(n, cap, held), layout(n, cap, held)
+    want = runs.place_run_reference(length, range(count), slow, allowed, rest_tokens, rest_work)
+    densities = runs.run_densities(length, count, rest_tokens, rest_work)
+    chosen, stopped = few.loop_steps(np.array(fast.work, dtype=np.int64),
+                                     np.array(fast.tokens, dtype=np.int64), cap, length, allowed,
+                                     densities)
+    runs.add_run(fast, chosen, range(len(chosen)), length)
+    assert stopped == (want.placed < count)
+    assert (fast.shards, fast.tokens, fast.work) == (slow.shards, slow.tokens, slow.work)
+
+
+def test_drift_prediction_declines_when_capped_candidates_fall_short():
+    """One rank with room for most docs, the others for one each: each rank's candidates
+    are capped near twice its share, fewer than the block; no prediction (not an index
+    error)."""
+    work = np.zeros(8, dtype=np.int64)
+    tokens = np.zeros(8, dtype=np.int64)
+    fits = np.array([2000] + [1] * 7, dtype=np.int64)
+    densities = np.linspace(3.0, 2.9, 300)
+    assert drift.drift_ranks(work, tokens, fits, 7, densities) is None
+
+
+def test_runs_after_uneven_room_solve_and_validate():
+    """Runs of short docs after long ones leave one rank far more room than the others
+    (the case above, inside ``place``): the request solves, and its plan validates."""
+    lengths = [5000] * 211 + [1000] * 201 + [100] * 174 + [64] * 212 + [7] * 212 + [1] * 200
+    request = PlanRequest(doc_lengths=tuple(lengths), cp_size=8, context_length=None,
+                          imbalance_target=1.05)
+    plan = solve(request, check=True)
+    assert plan.metrics.imbalance <= 1.05

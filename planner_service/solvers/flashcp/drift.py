@@ -63,9 +63,9 @@ def _level_counts(keys: np.ndarray, step: float, fits: np.ndarray, count: int) -
 def drift_ranks(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, length: int,
                 densities: np.ndarray) -> np.ndarray | None:
     """The predicted ranks of the block's docs (one per density, every density below
-    (L + 1) / 2 and none above the one before), or None if fewer docs fit. Only a
-    prediction (``few.place_run`` checks it). O(M log M + DRIFT_SWAPS x K) for M
-    candidate docs (module docstring)."""
+    (L + 1) / 2 and none above the one before), or None if fewer docs fit or are
+    candidates. Only a prediction (``few.place_run`` checks it). O(M log M + DRIFT_SWAPS x
+    K) for M candidate docs (module docstring)."""
     count = len(densities)
     doc_work = length * (length + 1) // 2
     active = np.flatnonzero(fits)
@@ -83,6 +83,10 @@ def drift_ranks(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, length: 
         most = np.maximum(
             _level_counts(heavy - long * first, doc_work - length * first, room, more),
             _level_counts(heavy - long * last, doc_work - length * last, room, more))
+    if int(most.sum()) < count:
+        # Room spread unevenly over few ranks (one with room for most docs, the others for
+        # few): the capped candidates fall short of the block; no prediction.
+        return None
     # The candidates rank by rank, each rank's in order: a stable sort by key breaks ties
     # by rank, then by doc.
     rank = np.repeat(active, most)

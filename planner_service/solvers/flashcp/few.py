@@ -10,14 +10,14 @@ in stretches of ``CHECK_ROWS`` docs (fewer after a miss): every doc's rank again
 the ranks before it (exact: the workload is below ``runs.EXACT``). The docs up to the first
 miss are placed, and the miss itself by the keys checked; the prediction after it is
 repaired (the rank found moved up to the miss, the rank predicted there put next) and the
-check goes on from there. A block whose misses pass ``MISSES`` stops early; the run stops
-at a doc no rank takes whole (left to ``place``'s loop) or when a block places fewer than
-``runs.RUN_BLOCK``'s smallest (the keys cross too often for blocks: ``place``'s loop goes
-on doc by doc).
+check goes on from there. Once a block's misses pass ``MISSES`` (the keys cross too often
+for the prediction), the rest of the run goes doc by doc in plain Python (``loop_steps``:
+the N keys of every doc, the least taken). The run stops at a doc no rank takes whole
+(left to ``place``'s loop).
 
 Complexity per block of K docs on N ranks: the prediction O(M log M + K), M = O(K + N)
-(``drift.py``); the checks O((K + c x CHECK_ROWS[1]) N) for c misses (each checks at most
-that many rows again; c <= MISSES x K + 1, so O(K N)); O(K log K + N) to add the shards.
+(``drift.py``); the checks O((K + c x CHECK_ROWS[1]) N) for c <= ``MISSES`` + 1 misses;
+O(K log K + N) to add the shards; O(N) per doc one by one.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ CHECK_ROWS = (32, 512)
 doubled after each stretch without one."""
 FEW_BLOCK = 2048
 """Largest block predicted at once (a prediction's misses grow along a block)."""
-MISSES = 1 / 16
-"""Misses per doc of a block past which the block stops (the prediction is poor there)."""
+MISSES = 1
+"""Misses in a block past which the block stops and the rest of the run goes doc by doc
+(``loop_steps``): the prediction is poor there, and each miss costs a check of
+``CHECK_ROWS[0]`` docs against every rank, more than placing as many one by one."""
 
 
 def place_run(
@@ -75,13 +77,19 @@ def place_run(
             rows = CHECK_ROWS[0] if missed else min(2 * rows, CHECK_ROWS[1])
             if missed:
                 misses += 1
-                if misses > MISSES * k + 1:
+                if misses > MISSES:
                     break
                 predicted = repaired(predicted, at - 1, int(chosen[-1]))
         placed += at
-        if stop or at < min(k, RUN_BLOCK[0]):
+        if stop:
             break
-        block = min(2 * block, FEW_BLOCK) if at == k else max(RUN_BLOCK[0], at)
+        if at < k:  # the prediction missed too often: the rest of the run doc by doc
+            chosen, stop = loop_steps(work, tokens, cap, length, allowed, densities[placed:])
+            if len(chosen):
+                picks.append(chosen)
+                placed += len(chosen)
+            break
+        block = min(2 * block, FEW_BLOCK)
     if not placed:
         return RunPlaced(0, [], rest_tokens, rest_work, 0.0)
     changed = add_run(ranks, np.concatenate(picks), docs[:placed], length)
@@ -164,3 +172,35 @@ def run_ranks(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, doc_w
         out = np.broadcast_to(turn, takes.shape)[takes]
     out = out[:count]
     return np.concatenate((out, np.zeros(count - len(out), dtype=np.int64))) if len(out) < count else out
+
+
+def loop_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
+               densities: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The rule's ranks for the next docs (one per density), doc by doc in plain Python
+    (the N <= ``REFRESH`` keys of a doc cost less as Python floats than as numpy calls);
+    (ranks, a doc no rank takes whole ended them). Each key is work - tokens x d in
+    float64 (Python floats round as numpy's; work and tokens, below 2^53, are exact as
+    floats), work inf for a rank without room (its key inf); the least wins, the lowest
+    rank on ties (``min`` and ``index`` take the first). O(K N)."""
+    doc_work = length * (length + 1) // 2
+    most = cap - length
+    inf = float("inf")
+    heavy = [float(w) if t <= most else inf for w, t in zip(work.tolist(), tokens.tolist(),
+                                                              strict=True)]
+    long = [float(t) for t in tokens.tolist()]
+    chosen: list[int] = []
+    add = chosen.append
+    for density in densities.tolist():
+        keys = [a - b * density for a, b in zip(heavy, long, strict=True)]
+        least = min(keys)
+        if least == inf:
+            return np.array(chosen, dtype=np.int64), True
+        r = keys.index(least)
+        after = heavy[r] + doc_work
+        if after > allowed:
+            return np.array(chosen, dtype=np.int64), True
+        add(r)
+        held = long[r] + length
+        long[r] = held
+        heavy[r] = after if held <= most else inf
+    return np.array(chosen, dtype=np.int64), False

@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Container, Sequence
+from typing import NamedTuple
 
 from planner_service.core.plan import Shard
 from planner_service.solvers.flashcp.ranks import Ranks, new_shard
@@ -35,9 +36,8 @@ from planner_service.solvers.flashcp.ranks import Ranks, new_shard
 ABSORB_TRIES = 2
 """Whole docs (the longest that fit) ``_best_absorb`` tries per shared doc and partner."""
 PARTNERS = 1
-"""Lightest ranks the busiest one may exchange positions with (one: with the two lightest,
-the exchange sometimes moved work to the second, leaving less room for the descent; one
-gave more saving on the 32K benchmark sets, in less time)."""
+"""Lightest ranks the busiest one may exchange positions with: one, so the work moved
+lands on the lightest rank and the others keep their room for the descent."""
 CROSS_DOCS = 6
 """The busiest rank's docs (furthest-reaching first) tried against a partner's other docs."""
 SETTLE = 0.8
@@ -46,6 +46,24 @@ than down to the mean moves fewer tokens, so less KV."""
 
 
 Intervals = list[tuple[int, int]]
+
+
+class Move(NamedTuple):
+    """An exchange ``_best_move`` found: the busiest rank's doc ``mine`` against the
+    partner's doc ``theirs_doc``."""
+
+    partner: int
+    """The rank taking the busiest rank's highest positions."""
+    mine: int
+    """The busiest rank's doc that gives its highest positions."""
+    theirs_doc: int
+    """The partner's doc that gives its lowest positions."""
+    theirs: dict[int, Intervals]
+    """The partner's intervals per doc."""
+    goal: float
+    """Work the move aims to take off the busiest rank."""
+    limit: int
+    """Most positions exchanged before the move would move work back (``crossing``)."""
 
 
 def take(intervals: Intervals, count: int, top: bool) -> tuple[Intervals, Intervals]:
@@ -205,10 +223,10 @@ def fold(held: dict[int, list[tuple[int, int]]], theirs: dict[int, list[tuple[in
     return best
 
 
-def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *, shared: bool):
+def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *,
+               shared: bool) -> Move | None:
     """The best exchange among the same docs (``shared``) or across docs; None if none
-    moves work. ``partners``: (rank, goal, most work it may take, its intervals).
-    Returns (partner, my doc, their doc, their intervals, goal, limit)."""
+    moves work. ``partners``: (rank, goal, most work it may take, its intervals)."""
     best = None
     if not shared:
         mine = sorted(held, key=lambda d: -held[d][-1][1])[:CROSS_DOCS]
@@ -238,7 +256,7 @@ def _best_move(held: dict[int, list[tuple[int, int]]], partners: list, *, shared
                 continue
             key = (potential >= goal, 0 if shared else -mine_iv[-1][1], min(goal, potential))
             if best is None or key > best[0]:
-                best = (key, (other, x, y, theirs, goal, limit))
+                best = (key, Move(other, x, y, theirs, goal, limit))
     return None if best is None else best[1]
 
 
@@ -310,7 +328,7 @@ def descend(ranks: Ranks, allowed: float, max_steps: int) -> int:
                         best = (worst, other, doc, count, top_recv, other_recv)
         absorb = _best_absorb(ranks, held, needs, recv, top, allowed, lengths,
                               recv[top] if best is None else best[0])
-        if absorb is not None and (best is None or absorb[0] < best[0]):
+        if absorb is not None and (best is None or absorb.worst < best[0]):
             worst, other, doc, whole, new_mine, new_theirs, moved = absorb
             size[top][doc] += lengths[top][whole]
             size[other][doc] -= lengths[top][whole]
@@ -337,16 +355,35 @@ def descend(ranks: Ranks, allowed: float, max_steps: int) -> int:
     return max(recv)
 
 
+class Absorb(NamedTuple):
+    """A move ``_best_absorb`` found: the busiest rank's whole doc for the partner's
+    highest positions of a shared doc."""
+
+    worst: int
+    """The larger of the two ranks' receives after it."""
+    partner: int
+    """The rank taking the whole doc."""
+    doc: int
+    """The shared doc."""
+    whole: int
+    """The whole doc given."""
+    mine: Intervals
+    """The busiest rank's new intervals of the shared doc."""
+    theirs: Intervals
+    """The partner's."""
+    moved: int
+    """Work the busiest rank gains."""
+
+
 def _best_absorb(ranks: Ranks, held: list, needs: list, recv: list[int], top: int,
-                 allowed: float, lengths: list[dict[int, int]], bound: int):
+                 allowed: float, lengths: list[dict[int, int]], bound: int) -> Absorb | None:
     """The best move in which the rank receiving most gives a doc it holds whole to a
     partner for as many of the partner's highest positions of a doc both share: the gap
     below my top stretch of that doc fills, so I need less of its prefix, and the partner
     needs no more (its top stretch shrinks). None if no such move lowers the larger of the
     two receives below ``bound`` within ``allowed``. ``needs``: per rank, each shared
-    doc's need (``_need``). Returns (that larger receive, partner,
-    shared doc, whole doc, my new intervals of the shared doc, theirs, work moved)."""
-    best = None
+    doc's need (``_need``)."""
+    best: Absorb | None = None
     if not lengths[top]:
         return None
     mine_whole = sorted(lengths[top].items(), key=lambda item: (item[1], item[0]))
@@ -381,7 +418,7 @@ def _best_absorb(ranks: Ranks, held: list, needs: list, recv: list[int], top: in
                 other_recv = recv[other] - need_theirs + _need(kept)
                 worst = max(top_recv, other_recv)
                 if worst < bound and (best is None or worst < best[0]):
-                    best = (worst, other, doc, whole, new_mine, kept, moved)
+                    best = Absorb(worst, other, doc, whole, new_mine, kept, moved)
     return best
 
 

@@ -192,25 +192,28 @@ def single_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
     """The ranks of the next docs (one per density) by the rule one doc at a time: the
     least key work - tokens x d (float64, as ``place`` computes it: both figures exact
     below 2^53; ties: the lowest rank, ``np.argmin``'s first) among the ranks with room;
-    (ranks, stopped at a doc no rank takes whole). O(N) per doc, in numpy."""
+    (ranks, stopped at a doc no rank takes whole). A rank without room keeps work inf
+    (inf - x is inf: never the least); the others' keys are as computed. Two numpy calls
+    and an argmin per doc: O(N) per doc."""
     doc_work = length * (length + 1) // 2
-    heavy = work.astype(np.float64)
+    most = cap - length
+    held, have = work.tolist(), tokens.tolist()
+    heavy = np.where(tokens <= most, work.astype(np.float64), np.inf)
     long = tokens.astype(np.float64)
-    barred = np.where(tokens <= cap - length, 0.0, np.inf)  # inf: no room
     keys = np.empty(len(work))
+    multiply, subtract = np.multiply, np.subtract
     chosen: list[int] = []
     for density in densities.tolist():
-        np.multiply(long, density, out=keys)
-        np.subtract(heavy, keys, out=keys)
-        keys += barred  # x + 0.0 is x: the keys of ranks with room stay as computed
+        multiply(long, density, out=keys)
+        subtract(heavy, keys, out=keys)
         r = int(keys.argmin())
-        if barred[r] or heavy[r] + doc_work > allowed:
+        if have[r] > most or held[r] + doc_work > allowed:
             return np.array(chosen, dtype=np.int64), True
         chosen.append(r)
-        heavy[r] += doc_work
-        long[r] += length
-        if long[r] > cap - length:
-            barred[r] = np.inf
+        held[r] += doc_work
+        have[r] += length
+        heavy[r] = held[r] if have[r] <= most else np.inf
+        long[r] = have[r]
     return np.array(chosen, dtype=np.int64), False
 
 

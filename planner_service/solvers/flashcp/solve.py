@@ -180,6 +180,36 @@ def paper_rounds(num_docs: int, n: int, work: int = PAPER_WORK) -> int:
     return k
 
 
+class Found(NamedTuple):
+    """A finished layout that meets R, as the passes found it."""
+
+    receive: int
+    """The most KV any rank receives in the exact all-to-all-v (``ranks.measure``)."""
+    position: int
+    """Its place among the layouts found (ties go to the first)."""
+    ranks: Ranks
+    """The layout."""
+    descend: bool
+    """It may be descended (``refine.descend``)."""
+    doubled: list[int]
+    """Its zigzagged docs (``ranks.zigzagged``)."""
+
+
+class Candidate(NamedTuple):
+    """A layout ``_choose`` picks from."""
+
+    ranks: Ranks
+    """The layout."""
+    tie: tuple[int, int]
+    """Tie-break among equal costs (lower wins): (the found layout's index, 1 for its
+    copy kept before descent, else 0)."""
+    known: tuple[int, ...] | None
+    """Its cost if already known (the receive found measured, under all-to-all-v, for a
+    layout not descended since)."""
+    doubled: list[int] | None
+    """Its zigzagged docs if known."""
+
+
 class Solved(NamedTuple):
     """flashcp's layout: per-rank shards, the docs held as zigzag pairs, its imbalance."""
 
@@ -216,8 +246,7 @@ def flashcp_solve(
         "full", "p2p_ring") else 0
     if n > 1:
         for batch in passes(doc_lengths, order, n, allowed):
-            # (receive, index, layout, descend, its zigzagged docs)
-            found: list[tuple[int, int, Ranks, bool, list[int]]] = []
+            found: list[Found] = []
             for spec in batch:
                 placed, spill = place(doc_lengths, spec.order, n, allowed, spec.fill_aware,
                                       total_work, spec.nested, lengths=lengths)
@@ -229,8 +258,8 @@ def flashcp_solve(
                     imb = imbalance(ranks.work)
                     if imb <= target:
                         receive, doubled = measure(ranks)
-                        found.append((receive, len(found), ranks, spec.descend and steps > 0,
-                                      doubled))
+                        found.append(Found(receive, len(found), ranks,
+                                           spec.descend and steps > 0, doubled))
                     elif fallback is None or imb < fallback[0]:
                         fallback = (imb, ranks)
             if found:
@@ -250,19 +279,17 @@ def flashcp_solve(
 
 
 def _choose(
-    found: list[tuple[int, int, Ranks, bool, list[int]]], doc_lengths: Sequence[int], n: int,
+    found: list[Found], doc_lengths: Sequence[int], n: int,
     target: float, total_work: int, allowed: float, steps: int, comm_mode: str,
     cost: Callable[[Ranks], tuple[int, ...]],
 ) -> Solved:
     """The layout meeting R with the least ``cost`` (module docstring, step 2): the
     descended layouts count, and under compact all-gather Algorithm 1's layout too."""
     # Descend the DESCENDED layouts that receive least before it; the first found wins ties.
-    found.sort(key=lambda c: c[:2])
+    found.sort(key=lambda c: (c.receive, c.position))
     mean = total_work / n
     slack = 1.0 if len(doc_lengths) * n <= FULL_SLACK_BUDGET else DESCENT_SLACK
-    # (layout, tie-break, its cost if already known: the receive found measured, under
-    # all-to-all-v, for a layout not descended since; its zigzagged docs if known)
-    pool: list[tuple[Ranks, tuple[int, int], tuple[int, ...] | None, list[int] | None]] = []
+    pool: list[Candidate] = []
     descended = 0
     for receive, index, ranks, descend_it, doubled in found:
         known: tuple[int, ...] | None = (receive,) if comm_mode == "alltoallv" else None
@@ -270,20 +297,20 @@ def _choose(
         if descend_it and descended < DESCENDED:
             if comm_mode == "compact_allgather":
                 # The descent may add buffer tokens.
-                pool.append((ranks.copy(), (index, 1), None, doubled))
+                pool.append(Candidate(ranks.copy(), (index, 1), None, doubled))
             descend(ranks, mean + slack * (allowed - mean), steps)
             descended += 1
             known = kept = None
-        pool.append((ranks, (index, 0), known, kept))
+        pool.append(Candidate(ranks, (index, 0), known, kept))
     if comm_mode == "compact_allgather":
         imb, paper, _ = algorithm1(doc_lengths, n, target,
                                    max_per_doc=paper_rounds(len(doc_lengths), n))
         if imb <= target:
-            pool.append((paper, (len(found), 0), None, None))
-    best, _, _, best_doubled = min(
-        pool, key=lambda c: (cost(c[0]) if c[2] is None else c[2], c[1]))
-    return Solved(best.shards, zigzagged(best) if best_doubled is None else best_doubled,
-                  imbalance(best.work))
+            pool.append(Candidate(paper, (len(found), 0), None, None))
+    best = min(pool, key=lambda c: (cost(c.ranks) if c.known is None else c.known, c.tie))
+    return Solved(best.ranks.shards,
+                  zigzagged(best.ranks) if best.doubled is None else best.doubled,
+                  imbalance(best.ranks.work))
 
 
 def flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
