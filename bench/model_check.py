@@ -14,7 +14,7 @@
    for the gather modes and a ring for ``p2p_ring``; on CUDA flash-attn's segments path
    (the runtime's default; a ring plan as the segment ring), or its gathered path where
    flash-attn's private varlen API fails the runtime's probe. Each rank records the path
-   it ran, and the model prices the plan on that path (core/step_time.py
+   it ran, and the model prices the plan on that path (core/step_time/
    ``execution_path``; a mismatch is an error). ``--reference-segments`` runs the segments
    path with the exact PyTorch segment kernel on any device (a check of this harness on
    CPU; plans and the base profile are then ``h100-fa2``'s).
@@ -40,7 +40,7 @@
    of N and sequence, alternate between the halves, so both hold every data set (the one-
    sequence adversarial sets included). A plan's measured step is the
    largest per-rank layer time, its prediction the largest per-rank kernel + copies +
-   exchange of core/step_time.py under the fitted profile.
+   exchange of core/step_time/ under the fitted profile.
 4. Report: median and p90 absolute relative error, Spearman correlation of predicted vs
    measured over held-out plans, and per held-out batch whether the strategy the model
    ranks fastest is measured fastest or within 3% of it, with the model's margin (how much

@@ -9,7 +9,7 @@ Measured average speedups of FlashCP: 1.63x over Per-Doc CP, 1.38x over Llama3 C
 over Ring-Attn, 2.14x over Ring-Attn (Zigzag).
 
 Here: WLB-LLM (``wlbllm``) and Pile-like (``family:pile``) sequences, each strategy planned
-by this planner and estimated with core/step_time.py under ``h100-fa2`` and ``h100-fa3``
+by this planner and estimated with core/step_time/ under ``h100-fa2`` and ``h100-fa3``
 with ``nvlink``, as the worker runtime executes the plan with flash-attn on its default
 segments flash path, each in its own exchange: flashcp all-to-all-v, per_doc and llama3
 full all-gather (the exchange overlapped with the local-key calls), ring and zigzag
@@ -103,7 +103,7 @@ def main() -> None:
         f"Command: `.venv/bin/python -m bench.paper_compare --sequences {args.sequences}`",
         "",
         f"{args.sequences} packed 128K sequences per data set (seed 0); every prediction from "
-        "core/step_time.py, each plan run as the worker runtime runs it with flash-attn (the "
+        "core/step_time/, each plan run as the worker runtime runs it with flash-attn (the "
         "segments path: the exchange overlapped with local-key attention; ring and zigzag as "
         "the segment ring, each shift overlapped with a step's calls). Paper figures: FlashCP arXiv:2606.08476, "
         "section A4, averages over WLB-LLM, Pile and RedPajama, CP 4 and 8, 16 and 32 heads "

@@ -38,10 +38,12 @@ CONTRACT = frozenset({
     "planner_service.core.errors",
     "planner_service.core.mask",
     "planner_service.core.paths",
+    "planner_service.core.seeing",
 })
 """What ``worker_runtime`` may import from ``planner_service``: the plan, the model shape
 it carries, the attention mask it records (``core.mask``), the names of comm modes and
-execution paths with the rule that picks a path (``core.paths``), the exchange volumes of its
+execution paths with the rule that picks a path (``core.paths``), the query rows that see a key set
+(``core.seeing``, which the step-time model counts too), the exchange volumes of its
 shards (``core.cost``) and the error the model shape's checks raise (``core.errors``)."""
 
 @pytest.fixture(scope="module")

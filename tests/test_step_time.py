@@ -27,6 +27,7 @@ from planner_service.core.profiles import (
     kernel_profile_from_dict,
 )
 from planner_service.core.request import PlanRequest
+from planner_service.core.seeing import rows_seeing
 from planner_service.core.step_time import (
     RUNTIME_OVERLAP,
     KernelWork,
@@ -58,7 +59,6 @@ from worker_runtime.kernels import BLOCK_K, BLOCK_Q, build_masked_meta
 from worker_runtime.paths.lean import remote_query_rows
 from worker_runtime.paths.pieces import build_segment_plan
 from worker_runtime.paths.ring_steps import slot_rows
-from worker_runtime.paths.rows import rows_seeing
 
 MODEL = ModelSpec()
 CPU_MODEL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=32, dtype_bytes=4, hidden_size=128,

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from planner_service.core.seeing import rows_seeing
 from worker_runtime.comm import Exchanger
 from worker_runtime.kernels import (
     VarlenMeta,
@@ -52,7 +53,6 @@ from worker_runtime.kernels import (
 from worker_runtime.layout import CommMap, RankLayout
 from worker_runtime.paths.base import PathContext, PlannedCall, PlannedTransfer
 from worker_runtime.paths.merge import merge_rows_
-from worker_runtime.paths.rows import rows_seeing
 from worker_runtime.sinks import merge_sink_, sink_grad
 from worker_runtime.windows import window_exchanger
 

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from planner_service.core.seeing import rows_seeing
 from worker_runtime.comm import CommCounter
 from worker_runtime.kernels import (
     VarlenMeta,
@@ -50,7 +51,6 @@ from worker_runtime.paths.ring_steps import (
     ring_link,
     slot_rows,
 )
-from worker_runtime.paths.rows import rows_seeing
 from worker_runtime.sinks import merge_sink_, sink_grad
 from worker_runtime.window_map import ring_steps
 

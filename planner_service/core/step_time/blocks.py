@@ -73,16 +73,6 @@ def shard_rows(shards: Sequence[Shard]) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(doc, length), pos
 
 
-def seeing(doc: np.ndarray, pos: np.ndarray, key_doc: np.ndarray, key_pos: np.ndarray) -> np.ndarray:
-    """Rows (doc, pos) that see at least one key (same doc, key position <= pos)."""
-    if len(key_doc) == 0 or len(doc) == 0:
-        return np.zeros(0, dtype=np.int64)
-    order = np.lexsort((key_pos, key_doc))
-    docs, first = np.unique(key_doc[order], return_index=True)
-    first_pos = key_pos[order][first]
-    at = np.minimum(np.searchsorted(docs, doc), len(docs) - 1)
-    return np.flatnonzero((docs[at] == doc) & (first_pos[at] <= pos))
-
 class GroupBlocks(NamedTuple):
     """Per call group: ``Blocks`` fields as int64 arrays."""
 

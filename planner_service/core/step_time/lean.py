@@ -27,13 +27,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner_service.core.plan import Shard
+from planner_service.core.seeing import rows_seeing
 from planner_service.core.step_time.blocks import (
     NO_BLOCKS,
     Blocks,
     GroupBlocks,
     blocks_of_calls,
     masked_blocks,
-    seeing,
     shard_rows,
 )
 from planner_service.core.step_time.runs import SortedShards, sort_shards
@@ -79,7 +79,7 @@ def lean_work(shards: Sequence[Shard], block_q: int, block_k: int) -> LeanWork:
         gaps_doc.append(np.full(len(missing), d, dtype=np.int64))
         gaps_pos.append(missing)
     k_doc, k_pos = np.concatenate(gaps_doc), np.concatenate(gaps_pos)
-    rows = seeing(doc, pos, k_doc, k_pos)
+    rows = rows_seeing(doc, pos, k_doc, k_pos)
     remote = masked_blocks(doc[rows], pos[rows], k_doc, k_pos, block_q, block_k)
     return LeanWork(local, remote, len(k_doc))
 

@@ -23,12 +23,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner_service.core.plan import Shard
+from planner_service.core.seeing import rows_seeing
 from planner_service.core.step_time.blocks import (
     Blocks,
     GroupBlocks,
     blocks_of_calls,
     masked_blocks,
-    seeing,
     shard_rows,
 )
 from planner_service.core.step_time.runs import SortedShards, ring_seen, sort_shards
@@ -59,7 +59,7 @@ def ring_step_work(shards: Sequence[Shard], block: Sequence[Shard], block_q: int
     slot's shards) against that block's rows."""
     doc, pos = shard_rows(shards)
     k_doc, k_pos = shard_rows(block)
-    rows = seeing(doc, pos, k_doc, k_pos)
+    rows = rows_seeing(doc, pos, k_doc, k_pos)
     return masked_blocks(doc[rows], pos[rows], k_doc, k_pos, block_q, block_k)
 
 class GroupRingWork(NamedTuple):

@@ -1,4 +1,6 @@
-"""Which query rows see a key set: the rows a part of a path must run (numpy, built once)."""
+"""Which query rows see a key set: the rows a part of a path must run. The runtime builds
+its metadata from it and the step-time model counts those rows with it (one definition,
+in the plan contract)."""
 
 from __future__ import annotations
 
