@@ -35,6 +35,7 @@ from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import held_kv_mode
 from planner_service.solvers.flashcp_bounded import flashcp_candidates
+from planner_service.solvers.flashcp_masked import redeclared
 from planner_service.solvers.ilp import cpsat
 from planner_service.solvers.ilp.blocks import (
     Blocks,
@@ -56,6 +57,7 @@ from planner_service.solvers.ilp.strategy import (
     workload_cap,
 )
 from planner_service.solvers.ilp.tuning import TUNING
+from planner_service.solvers.ilp.windowed import masked_ilp_layout
 from planner_service.solvers.kv_bound import GATHER_MODES, KvBoundError, group_peak, kv_floor
 
 HOW = "the least KV peak of its plan without the bound and of flashcp's candidate plans"
@@ -73,8 +75,13 @@ class Bounded(NamedTuple):
 def bounded_ilp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
     """The registry's ``ilp``: ``strategy.ilp_layout``, or with a bound the first step of
     the module docstring that holds it (named in the plan's ``info.kv_candidate``).
-    Raises ``KvBoundError`` if none does."""
+    Raises ``KvBoundError`` if none does. Under a mask that is not causal:
+    ``windowed.masked_ilp_layout`` without a bound; with one, these steps on causal work,
+    the balance declared from the layer-weighted work (``flashcp_masked.redeclared``)."""
+    masked = not request.mask.is_causal
     if request.max_kv_tokens_per_rank is None:
+        if masked:
+            return masked_ilp_layout(doc_lengths, request)
         return ilp_layout(doc_lengths, request)
     options = parse_options(request.options, doc_lengths, request.cp_size)
     # Both solves share the request's time limit: the first gets half, the second what
@@ -84,7 +91,8 @@ def bounded_ilp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layo
     unbounded = solve_blocks(doc_lengths, request.cp_size, request.imbalance_target, half)
     held = hold_bound(doc_lengths, request, half, unbounded, deadline)
     layout = result_layout(doc_lengths, request, options, held.result)
-    return Layout(layout.groups, {**layout.info, "kv_candidate": held.candidate})
+    layout = Layout(layout.groups, {**layout.info, "kv_candidate": held.candidate})
+    return redeclared(layout, request) if masked else layout
 
 
 class Tried(NamedTuple):
