@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.request import MAX_FCP_RANKS, MAX_TOKENS, check_int
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, FcpProfile, get_profile
 from planner_service.fcp.grouping import (
@@ -44,19 +45,26 @@ from planner_service.fcp.grouping import (
 from planner_service.fcp.packing import balanced_pack, descending
 from planner_service.fcp.portfolio import choose_split, score_static, static_total
 from planner_service.fcp.requests import check_sequences
-from planner_service.fcp.seq_stats import SeqStats, serial_cost
+from planner_service.fcp.seq_stats import SeqStats, mask_units, serial_cost
 
 MAX_EXTRA_MICRO_BATCHES = 2
 """Micro-batch counts tried: the least that holds the tokens and the next two."""
 
 
 def sequence_stats(
-    sequences: Sequence[Sequence[int]], full_attention: Sequence[bool], profile: FcpProfile
+    sequences: Sequence[Sequence[int]], full_attention: Sequence[bool], profile: FcpProfile,
+    mask: AttentionMask = CAUSAL,
 ) -> SeqStats:
-    """Tokens and attention units (eq. 8: ``(1 + eta) sum L^2``) of every sequence."""
+    """Tokens and attention units (eq. 8: ``(1 + eta) sum L^2``; under a ``mask`` not
+    causal, the layer mean of the windowed units, ``seq_stats.mask_units``) of every
+    sequence. Raises ValueError for ``full_attention`` with such a mask."""
     lengths = np.fromiter((x for s in sequences for x in s), dtype=np.float64)
     starts = np.cumsum([0] + [len(s) for s in sequences[:-1]])
     tokens = np.add.reduceat(lengths, starts).astype(np.int64)
+    if not mask.is_causal:
+        if any(full_attention):
+            raise ValueError("full_attention: not supported with a sliding-window mask")
+        return SeqStats(tokens, np.add.reduceat(mask_units(lengths, mask), starts))
     units = np.add.reduceat(lengths * lengths, starts)
     if any(full_attention):
         units = units * (1.0 + profile.eta_full * np.asarray(full_attention, dtype=np.float64))
@@ -97,10 +105,12 @@ def plan_global_batch(
     search: str = "portfolio",
     method: str = "dp",
     micro_batches: int | None = None,
+    mask: AttentionMask = CAUSAL,
 ) -> GlobalSchedule:
     """Split into micro-batches that fit ``N * E`` tokens and schedule each (no plans).
 
-    ``micro_batches`` fixes the count; None picks it (module docstring). Raises
+    ``micro_batches`` fixes the count; None picks it (module docstring). ``mask``: the
+    attention units are the layer-weighted windowed ones (``sequence_stats``). Raises
     ValueError saying how many ranks or how much memory is missing if a sequence exceeds
     ``N * E`` or the fixed count cannot hold the batch, for a bad search or method, and
     (FieldError) for ``num_ranks`` outside 1 .. ``MAX_FCP_RANKS`` or ``memory_tokens``
@@ -111,7 +121,7 @@ def plan_global_batch(
     return plan_checked(
         check_sequences(sequences), num_ranks=num_ranks, memory_tokens=memory_tokens,
         profile=get_profile(profile), full_attention=full_attention, search=search,
-        method=method, micro_batches=micro_batches,
+        method=method, micro_batches=micro_batches, mask=mask,
     )
 
 
@@ -125,11 +135,12 @@ def plan_checked(
     search: str,
     method: str,
     micro_batches: int | None,
+    mask: AttentionMask = CAUSAL,
 ) -> GlobalSchedule:
     """``plan_global_batch`` for sequences already checked (a ScheduleRequest's)."""
     check_options(search, method)
     prof = profile
-    stats = sequence_stats(seqs, full_attention, prof)
+    stats = sequence_stats(seqs, full_attention, prof, mask)
     capacity = num_ranks * memory_tokens
     longest = int(np.argmax(stats.tokens))
     if stats.tokens[longest] > capacity:

@@ -39,6 +39,7 @@ from typing import NamedTuple, Protocol
 
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.errors import FieldError
+from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Shard
 from planner_service.core.request import MAX_TOKENS, PlanRequest, check_int
@@ -48,12 +49,14 @@ from planner_service.fcp.grouping import check_options, group_table, memory_erro
 from planner_service.fcp.placement import place_groups
 from planner_service.fcp.schedule import plan_global_batch, sequence_stats
 from planner_service.solvers.balance import declared, missed
+from planner_service.solvers.flashcp_masked import redeclared
 from planner_service.solvers.group_plans import solve_groups
 from planner_service.solvers.kv_bound import (
     Candidate,
     KvBoundError,
     first_within,
     kv_floor,
+    listed,
 )
 
 OPTIONS = {
@@ -116,7 +119,7 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
     def grouped(memory_tokens: int) -> Layout:
         found = plan_global_batch(
             sequences, num_ranks=n, memory_tokens=memory_tokens, profile=profile,
-            search=search, micro_batches=1,
+            search=search, micro_batches=1, mask=request.mask,
         )
         grouping = found.groupings[0]
         return _layout(grouping.groups, grouping.degrees, grouping.makespan_ms,
@@ -130,8 +133,9 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
             model=request.model, kernel=request.kernel, link=request.link,
             imbalance_target=request.imbalance_target,
             max_kv_tokens_per_rank=request.max_kv_tokens_per_rank, comm_mode=mode,
+            mask=request.mask,
         )
-        return Layout(groups=plans.layouts, info=declared({
+        return weighed(Layout(groups=plans.layouts, info=declared({
             "fcp_degrees": list(degrees),
             "fcp_group_docs": [list(g) for g in groups],
             "fcp_est_makespan_ms": makespan_ms,
@@ -139,12 +143,17 @@ def fcp_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
             "fcp_profile": profile.name,
             "intra_strategy": intra,
             "memory_tokens": memory_tokens,
-        }, plans.missed, request.imbalance_target))
+        }, plans.missed, request.imbalance_target)))
 
     def one_group() -> Layout:
         every = list(range(len(sequences)))
-        table = group_table(sequence_stats(sequences, (), profile), [every], n, total, profile)
+        table = group_table(sequence_stats(sequences, (), profile, request.mask), [every], n,
+                            total, profile)
         return _layout([every], [n], float(table[0, n]), "one-group", memory)
+
+    def weighed(layout: Layout) -> Layout:
+        # Under a mask the groups' balance is declared from the layer-weighted work.
+        return layout if request.mask.is_causal else redeclared(listed(layout), request)
 
     bound = request.max_kv_tokens_per_rank
     if bound is None or mode is None:
@@ -183,6 +192,7 @@ def group_layouts(
     max_kv_tokens_per_rank: int | None = None,
     comm_mode: str | None = None,
     workers: int | None = None,
+    mask: AttentionMask = CAUSAL,
 ) -> GroupPlans:
     """Each group's shards from the ``intra`` strategy's solver, in plan doc indices and
     global ranks, and the imbalances of the groups that declare R missed.
@@ -198,6 +208,8 @@ def group_layouts(
     refusals: the least bound every group meets, the groups that met this bound meeting
     any larger one (their strategies meet every bound from their own figure on).
 
+    ``mask``: every group's request carries it (the intra strategy plans for it).
+
     The groups are solved by ``group_plans.solve_groups``, on ``workers`` processes (None:
     as many as pay off); the result does not depend on it.
     """
@@ -211,7 +223,7 @@ def group_layouts(
         request = PlanRequest(
             doc_lengths=tuple(length for s in members for length in sequences[s]),
             cp_size=degree, strategy=intra.name, model=model, kernel=kernel, link=link,
-            imbalance_target=imbalance_target,
+            imbalance_target=imbalance_target, mask=mask,
         )
         if bound is not None:
             request = replace(request, max_kv_tokens_per_rank=bound, comm_mode=comm_mode)

@@ -31,10 +31,10 @@ from planner_service.solvers.kv_bound import check_plan, listed
 
 Solver = Callable[[Sequence[int], PlanRequest], Layout]
 
-CAUSAL_BALANCERS = frozenset({"flashcp_paper", "fcp"})
+CAUSAL_BALANCERS = frozenset({"flashcp_paper"})
 """Strategies that take R but balance causal work: under a mask their plan's balance
 declaration is recomputed from the layer-weighted work (``flashcp_masked.redeclared``);
-flashcp, ilp and auto declare it themselves."""
+flashcp, ilp, fcp and auto declare it themselves."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
