@@ -28,7 +28,9 @@ from planner_service.solvers.ilp.window_model import build_window_model, window_
 from planner_service.solvers.ilp.windowed import solve_window_blocks, weighted_cap
 from planner_service.solvers.registry import solve
 
-MASKS = ("1x3", "2x4,1xfull", "1x1,1xfull", "3x6", "1x2,2x5,1xfull")
+MASKS = ("1x3", "2x4,1xfull", "1x1,1xfull", "3x6", "1x2,2x5,1xfull", "1x16,2x4")
+"""Windows shorter than the docs (pieces), of one key, and one no doc exceeds (16:
+the causal prefix need)."""
 INSTANCES = (  # doc lengths, ranks, granularity: at most 8 blocks
     ((7, 5), 2, 3),
     ((12,), 2, 2),
@@ -172,6 +174,8 @@ def test_field_errors_under_a_mask():
         solve(_request((300, 200), 2, "1x8", options={"objective": "fast"}))
     with pytest.raises(FieldError, match="options.granularity"):
         solve(_request((300, 200), 2, "1x8", options={"granularity": 301}))
+    with pytest.raises(FieldError, match="options.granularity .* window implications"):
+        solve(_request((60000, 60000), 16, "1x30000", options={"granularity": 512}))
 
 
 def test_kv_bound_under_a_mask_declares_weighted_balance():

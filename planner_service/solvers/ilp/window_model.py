@@ -14,7 +14,8 @@ costs and what a rank receives (core/window_work.py):
   the later blocks in start order). A need boolean per (piece, rank), implied by the
   first of those blocks to reach it and by the piece before it (a block reaching a piece
   reaches every later piece of b): minimising pushes it down to exactly that need. A
-  causal group (W None) keeps :mod:`.model`'s prefix need, one boolean per (block, rank).
+  causal group (W None, or a window no document exceeds) keeps :mod:`.model`'s prefix
+  need, one boolean per (block, rank).
 - **objective**: ``sum_g count_g comm_g`` with ``comm_g >= recv_g[r]`` for every rank:
   the layer-weighted critical-path exchange of ``window_work.mask_figures_of``, each
   layer's exchange its own collective.
@@ -106,6 +107,12 @@ class WindowModel(NamedTuple):
     whole blocks with every later block a reacher."""
 
 
+def acts_causal(window: int | None, longest: int) -> bool:
+    """A window no document exceeds attends what a causal layer does: the model then uses
+    the causal prefix need (O(B) implications, where pieces would take O(B^2))."""
+    return window is None or window >= longest
+
+
 def causal_pieces(blocks: Blocks) -> list[Piece]:
     """The causal group's needs: every block but its doc's last, reached by all later
     blocks of its doc (the prefix need of :mod:`.model`)."""
@@ -144,9 +151,10 @@ def build_window_model(blocks: Blocks, num_ranks: int, mask: AttentionMask, *,
         model.Add(load[r] <= work_max)
     # --- The exchange, per layer group ------------------------------------------------
     comm, needs = [], []
+    longest = max((b.end for b in blocks.blocks), default=0)
     for g, group in enumerate(mask.groups):
         group_needs: list[tuple[Piece, list[cp_model.IntVar]]] = []
-        if group.window is None:
+        if acts_causal(group.window, longest):
             pieces = causal_pieces(blocks)
             by_block = {p.block: i for i, p in enumerate(pieces)}
             for p in pieces:

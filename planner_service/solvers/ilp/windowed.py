@@ -52,7 +52,7 @@ from planner_service.solvers.ilp.blocks import (
     place_blocks,
 )
 from planner_service.solvers.ilp.cpsat import Cp, Solve
-from planner_service.solvers.ilp.model import canonical_ranks
+from planner_service.solvers.ilp.model import MAX_MODEL_BOOLS, canonical_ranks
 from planner_service.solvers.ilp.strategy import (
     IlpOptions,
     IlpResult,
@@ -63,8 +63,11 @@ from planner_service.solvers.ilp.strategy import (
 from planner_service.solvers.ilp.tuning import TUNING, Tuning
 from planner_service.solvers.ilp.window_model import (
     WindowModel,
+    acts_causal,
     add_window_hint,
     build_window_model,
+    causal_pieces,
+    window_pieces,
     window_values,
 )
 from planner_service.solvers.kv_bound import listed
@@ -96,6 +99,32 @@ def weighted_cap(doc_lengths: Sequence[int], num_ranks: int, target: float,
             f"the mask: the busiest rank carries at least {floor} layer-weighted pairs, "
             f"imbalance {floor * num_ranks / total:.6f}; raise imbalance_target")
     return cap
+
+
+MAX_WINDOW_SIZE = 4 * MAX_MODEL_BOOLS
+"""Most booleans plus need implications of the windowed model (x ranks); above it the
+request is refused (raise the granularity) rather than solved."""
+
+
+def check_size(blocks: Blocks, num_ranks: int, mask: AttentionMask, granularity: int) -> None:
+    """FieldError (``options.granularity``) if the windowed model would hold more than
+    ``MAX_WINDOW_SIZE`` booleans and need implications: a window far above the
+    granularity makes every block reached by about W / g later blocks. O(G B r)."""
+    longest = max((b.end for b in blocks.blocks), default=0)
+    size = len(blocks.blocks)
+    for group in mask.groups:
+        if acts_causal(group.window, longest):
+            size += 3 * len(causal_pieces(blocks))
+        else:
+            for pieces in window_pieces(blocks, group.window):
+                size += sum(2 + len(p.reachers) - p.first for p in pieces)
+    size *= num_ranks
+    if size > MAX_WINDOW_SIZE:
+        raise FieldError(
+            "options.granularity",
+            f"options.granularity {granularity} makes a model of about {size} booleans and "
+            f"window implications under the mask ({len(blocks.blocks)} blocks x {num_ranks} "
+            f"ranks), above the limit of {MAX_WINDOW_SIZE}; raise the granularity")
 
 
 def masked_ilp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
@@ -141,6 +170,7 @@ def solve_window_blocks(doc_lengths: Sequence[int], num_ranks: int, target: floa
     cp = Cp.start(options.workers, options.time_limit_s, tuning)
     budget = cpsat.budget_s(options.time_limit_s, tuning)
     blocks = window_blocks(doc_lengths, options, hints) if blocks is None else blocks
+    check_size(blocks, n, mask, options.granularity)
     token_cap = -(-sum(doc_lengths) // n)
     comm = options.objective == "comm"
     cap = weighted_cap(doc_lengths, n, target, mask) if comm else None
