@@ -10,15 +10,16 @@ from planner_service.core.step_time import segment_calls as sgw
 from planner_service.core.window_tiles import reference_window_tiles, window_tiles_of
 
 
+@pytest.mark.parametrize("halo", [True, False])
 @pytest.mark.parametrize("window", [1, 2, 7, 16, 33, 128, None])
 @pytest.mark.parametrize("tiles", [(4, 4), (8, 4), (4, 8), (16, 16)])
-def test_tiles_equal_the_pair_by_pair_count(window, tiles):
+def test_tiles_equal_the_pair_by_pair_count(window, tiles, halo):
     rng = random.Random(hash((window, tiles)) & 0xFFFF)
     tile_q, tile_k = tiles
     starts = np.array([rng.randint(0, 150) for _ in range(25)], dtype=np.int64)
     lengths = np.array([rng.randint(1, 70) for _ in range(25)], dtype=np.int64)
-    fast = window_tiles_of(starts, lengths, window, tile_q, tile_k)
-    slow = [reference_window_tiles(int(s), int(n), window, tile_q, tile_k)
+    fast = window_tiles_of(starts, lengths, window, tile_q, tile_k, halo=halo)
+    slow = [reference_window_tiles(int(s), int(n), window, tile_q, tile_k, halo=halo)
             for s, n in zip(starts, lengths, strict=True)]
     assert fast.tolist() == slow
 
@@ -31,6 +32,7 @@ def test_windows_no_position_reaches_give_the_causal_tiles():
     assert window_tiles_of(starts, lengths, None, 128, 64).tolist() == causal.tolist()
     reach = int((starts + lengths).max())
     assert window_tiles_of(starts, lengths, reach, 128, 64).tolist() == causal.tolist()
+    assert window_tiles_of(starts, lengths, reach, 128, 64, halo=False).tolist() == causal.tolist()
 
 
 def test_a_short_window_visits_a_band():

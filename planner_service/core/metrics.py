@@ -10,9 +10,14 @@ exchange is its own collective: ``sum_g count_g max_i recv_g[i]``), the savings 
 ratios; ``rank_stats.workload``, ``alltoallv_recv`` and ``allgather_send`` the
 layer-weighted sums per rank, ``kv_tokens_peak`` the largest over the windows. A
 ``layers`` list holds the figures of one layer of each window (``LayerMetrics``,
-``RankLayerStats``). The step-time estimates (``est_*``) stay those of causal calls
-(the step-time model does not price windowed calls yet). A causal mask gives exactly
-the causal figures, with no ``layers``.
+``RankLayerStats``). The step-time estimates (``est_*``) stay per layer: the
+layer-weighted mean ``sum_g (count_g / L) est_g`` over the mask's groups, ``est_g`` the
+figures of the slowest rank of one layer of window g (step_time ``group_steps`` with
+``window``, each rank receiving that window's exchange), so L times ``est_step_ms`` is
+the model's time over all L layers. On the PyTorch kernel (``packed`` tiling: the lean
+path and ring, whose windowed calls the step-time model does not price yet) every group's
+``est_g`` is the causal layer's. A causal mask gives exactly the causal figures, with no
+``layers``.
 """
 
 from __future__ import annotations
@@ -159,16 +164,16 @@ def group_metrics_of(
     if mask.is_causal:
         return metrics, stats
     return masked_metrics(metrics, stats, shards_per_rank, arrays, mask=mask,
-                          comm_mode=comm_mode, model=model, kernel=kernel)
+                          comm_mode=comm_mode, model=model, kernel=kernel, link=link)
 
 
 def masked_metrics(
     metrics: Metrics, stats: RankStats, shards_per_rank: Sequence[Sequence[Shard]],
     arrays: cost.ShardArrays | None, *, mask: AttentionMask, comm_mode: str,
-    model: ModelSpec, kernel: str,
+    model: ModelSpec, kernel: str, link: str,
 ) -> tuple[Metrics, RankStats]:
     """A group's causal ``metrics`` and ``stats`` turned into those under ``mask`` (module
-    docstring). O(G s log s) for G windows and s shards."""
+    docstring). O(G (s log s + tiles)) for G windows and s shards."""
     if arrays is None:
         arrays = int_arrays(shards_per_rank)
     tokens_per_rank = metrics.tokens_per_rank
@@ -194,8 +199,14 @@ def masked_metrics(
     alltoallv = sum(layer.count * layer.alltoallv_tokens for layer in layers)
     allgather = sum(layer.count * layer.compact_allgather_tokens for layer in layers)
     workload = figures.workload
+    est = weighted_estimates(metrics, figures, arrays, mask=mask, comm_mode=comm_mode,
+                             model=model, kernel=kernel, link=link)
     masked = replace(
         metrics,
+        est_step_ms=est[0],
+        est_attn_ms=est[1],
+        est_comm_ms=est[2],
+        est_linear_ms=est[3],
         imbalance=cost.imbalance(workload),
         max_workload=max(workload),
         mean_workload=sum(workload) / n,
@@ -225,6 +236,39 @@ def masked_metrics(
         layers=tuple(rank_layers),
     )
     return masked, masked_stats
+
+
+def window_estimate(arrays: cost.ShardArrays, recv: Sequence[int], window: int, *,
+                    tokens_per_rank: int, comm_mode: str, model: ModelSpec, kernel: str,
+                    link: str) -> tuple[float, float, float, float]:
+    """(step, attention, comm, linear) ms of the slowest rank (the first of equal maxima) of
+    one layer of ``window``, each rank receiving ``recv``. O(shards + tiles)."""
+    group = group_steps(arrays, recv_tokens=np.asarray(recv, dtype=np.int64),
+                        tokens_per_rank=tokens_per_rank, num_ranks=len(arrays.bounds) - 1,
+                        comm_mode=comm_mode, model=model, kernel=get_kernel_profile(kernel),
+                        link=get_link_profile(link), window=window)
+    slowest = int(np.argmax(group.total_ms))
+    return (float(group.total_ms[slowest]), float(group.attn_ms[slowest]),
+            float(group.comm_ms[slowest]), float(group.linear_ms[slowest]))
+
+
+def weighted_estimates(metrics: Metrics, figures: ww.MaskFigures, arrays: cost.ShardArrays, *,
+                       mask: AttentionMask, comm_mode: str, model: ModelSpec, kernel: str,
+                       link: str) -> tuple[float, ...]:
+    """The layer-weighted (step, attention, comm, linear) ms per layer (module docstring):
+    the causal group's from ``metrics``; a window's from :func:`window_estimate`, or the
+    causal one on a ``packed``-tiling kernel. O(G (shards + tiles))."""
+    causal = (metrics.est_step_ms, metrics.est_attn_ms, metrics.est_comm_ms,
+              metrics.est_linear_ms)
+    priced = get_kernel_profile(kernel).tiling == "segment"
+    total = [0.0, 0.0, 0.0, 0.0]
+    for weight, f in zip(mask.weights(), figures.layers, strict=True):
+        est = causal if f.window is None or not priced else window_estimate(
+            arrays, f.recv, f.window, tokens_per_rank=metrics.tokens_per_rank,
+            comm_mode=comm_mode, model=model, kernel=kernel, link=link)
+        for j in range(4):
+            total[j] += weight * est[j]
+    return tuple(total)
 
 
 def int_arrays(shards_per_rank: Sequence[Sequence[Shard]]) -> cost.ShardArrays:

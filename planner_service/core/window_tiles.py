@@ -14,7 +14,8 @@ last key (FlashAttention-2/3 ``n_block_min`` / ``n_block_max`` for local attenti
 
 Causal (W None, or W > every position): ``first = 0`` and the count is
 ``ceil(q1 / tile_k)``, ``step_time.segment_calls.causal_tiles_of``. A started tile costs a whole
-tile, as on the segments path.
+tile, as on the segments path. ``halo=False``: the keys are ``[0, e)`` (the gathered call on
+the ``full`` map, a ring plan's bytes), aligned at 0: ``lo = 0``, ``first = max(0, q0 - W + 1)``.
 
 :func:`window_tiles_of` is the numpy form (O(query tiles)); :func:`reference_window_tiles`
 tests every (query tile, key tile) for a pair inside the band, pair by pair; compared in
@@ -27,7 +28,7 @@ import numpy as np
 
 
 def window_tiles_of(starts: np.ndarray, lengths: np.ndarray, window: int | None, tile_q: int,
-                    tile_k: int) -> np.ndarray:
+                    tile_k: int, *, halo: bool = True) -> np.ndarray:
     """Per segment (int64 arrays of starts and lengths), the tiles of its windowed call
     (module docstring). O(query tiles)."""
     starts = np.asarray(starts, dtype=np.int64)
@@ -45,7 +46,7 @@ def window_tiles_of(starts: np.ndarray, lengths: np.ndarray, window: int | None,
         lo = np.zeros_like(s)
         first = np.zeros_like(s)
     else:
-        lo = np.maximum(0, s - window + 1)
+        lo = np.maximum(0, s - window + 1) if halo else np.zeros_like(s)
         first = np.maximum(lo, q0 - window + 1) - lo
     tiles = (q1 - 1 - lo) // tile_k - first // tile_k + 1
     out = np.zeros(len(starts), dtype=np.int64)
@@ -54,10 +55,10 @@ def window_tiles_of(starts: np.ndarray, lengths: np.ndarray, window: int | None,
 
 
 def reference_window_tiles(start: int, length: int, window: int | None, tile_q: int,
-                           tile_k: int) -> int:
+                           tile_k: int, *, halo: bool = True) -> int:
     """The tiles of one segment, by testing each (query tile, key tile) pair by pair for a
-    query p and key k with ``k <= p`` and ``p - k < W``."""
-    lo = 0 if window is None else max(0, start - window + 1)
+    query p and key k with ``k <= p`` and ``p - k < W`` (``halo``: as ``window_tiles_of``)."""
+    lo = 0 if window is None or not halo else max(0, start - window + 1)
     end = start + length
     count = 0
     for q0 in range(start, end, tile_q):

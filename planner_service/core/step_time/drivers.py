@@ -4,6 +4,11 @@ Each driver asks ``paths.execution_path`` for the path the runtime takes, looks 
 up in ``PATH_MODELS`` and calls it: :func:`rank_terms` (and :func:`rank_step`) the per-rank
 reference, :func:`group_steps` the group form in numpy (equal to it rank by rank; tests
 compare them), :func:`plan_rank_terms` every grouped rank of a plan under any profiles.
+
+``window`` (None: causal, every result as without it) prices a sliding-window layer: on the
+flash paths (``segment`` tiling) the gathered form the runtime runs under a window
+(windowed.py); the PyTorch kernel's lean path and ring are refused (ValueError naming
+``window``): their windowed calls are not modelled yet.
 """
 
 from __future__ import annotations
@@ -14,12 +19,18 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from planner_service.core import paths
-from planner_service.core.cost import ShardArrays, comm_volumes, per_rank_sums, recv_tokens_by_mode
+from planner_service.core.cost import (
+    ShardArrays,
+    comm_volumes,
+    per_rank_sums,
+    recv_tokens_by_mode,
+    shard_arrays,
+)
 from planner_service.core.model import ModelSpec
 from planner_service.core.paths import RING_PATHS, RUNTIME_FLASH_PATH, ExecutionPath
 from planner_service.core.plan import Plan, Shard
 from planner_service.core.profiles import KernelProfile, LinkProfile, get_kernel_profile
-from planner_service.core.step_time import gathered, lean, ring, segment_ring, segments
+from planner_service.core.step_time import gathered, lean, ring, segment_ring, segments, windowed
 from planner_service.core.step_time.terms import (
     RUNTIME_OVERLAP,
     GroupInput,
@@ -49,6 +60,18 @@ def execution_path(kernel: KernelProfile, comm_mode: str,
     return paths.execution_path(kernel.tiling, comm_mode, flash_path)
 
 
+def check_window(kernel: KernelProfile, window: int | None) -> None:
+    """ValueError naming ``window`` for a window below 1 or one on a kernel whose windowed
+    calls are not modelled (the PyTorch kernel's ``packed`` tiling: lean path, ring)."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be None (causal) or an integer >= 1, got {window!r}")
+    if kernel.tiling != "segment":
+        raise ValueError(f"window: the step-time model prices windowed calls on the flash paths "
+                         f"(segment tiling) only, not kernel {kernel.name!r} ({kernel.tiling})")
+
+
 def held_kv_mode(kernel: str, comm_mode: str) -> str:
     """The exchange whose KV a rank holds (``cost.kv_tokens_peak``'s mode) when ``kernel``
     (a profile name) runs ``comm_mode`` on the runtime's default flash path: ``p2p_ring``
@@ -73,12 +96,17 @@ def rank_terms(
     overlap: bool = RUNTIME_OVERLAP,
     ring_blocks: Sequence[Sequence[Shard]] | None = None,
     flash_path: str = RUNTIME_FLASH_PATH,
+    window: int | None = None,
 ) -> Terms:
     """:func:`rank_step`'s terms with their inputs (what a fit regresses on)."""
+    check_window(kernel, window)
     path = execution_path(kernel, comm_mode, flash_path)
     step = Step(tokens_per_rank, num_ranks, comm_mode, model, kernel, link, overlap)
     real = sum(s.end - s.start for s in shards)
-    return PATH_MODELS[path].terms(RankInput(step, shards, recv_tokens, real, tiles, ring_blocks))
+    inp = RankInput(step, shards, recv_tokens, real, tiles, ring_blocks)
+    if window is not None:
+        return windowed.terms(inp, window)
+    return PATH_MODELS[path].terms(inp)
 
 
 def rank_step(
@@ -95,6 +123,7 @@ def rank_step(
     overlap: bool = RUNTIME_OVERLAP,
     ring_blocks: Sequence[Sequence[Shard]] | None = None,
     flash_path: str = RUNTIME_FLASH_PATH,
+    window: int | None = None,
 ) -> StepEstimate:
     """Estimate one rank's per-layer time (the package docstring). O(shards + tiles) on the
     gathered path, O(M^2 D + tiles) on the segments path (M the most shards of one of the
@@ -108,11 +137,13 @@ def rank_step(
     shards of the blocks the rank attends at steps 1..N-1 (slots i - 1, i - 2, ... mod N).
     ``flash_path``: how a ``segment``-tiling kernel runs (FLASH_PATHS). Shards in (doc, start) order,
     disjoint, as plans hold them (the segments path takes them in local-row order).
+    ``window``: a sliding-window layer (module docstring; ``recv_tokens`` then the window's
+    exchange, ``tiles`` unused), O(shards + tiles).
     """
     t = rank_terms(shards, recv_tokens=recv_tokens, tokens_per_rank=tokens_per_rank,
                    num_ranks=num_ranks, comm_mode=comm_mode, model=model, kernel=kernel,
                    link=link, tiles=tiles, overlap=overlap, ring_blocks=ring_blocks,
-                   flash_path=flash_path)
+                   flash_path=flash_path, window=window)
     return StepEstimate(float(t.kernel_ms), float(t.copy_ms), float(t.comm_ms), float(t.linear_ms))
 
 
@@ -129,6 +160,7 @@ def group_steps(
     tiles: np.ndarray | None = None,
     overlap: bool = RUNTIME_OVERLAP,
     flash_path: str = RUNTIME_FLASH_PATH,
+    window: int | None = None,
 ) -> StepArrays:
     """:func:`rank_step` of every rank of a group at once (equal to it rank by rank; shard i
     of ``arrays`` on rank ``arrays.rank[i]``, slot order = rank order, each rank's shards
@@ -137,13 +169,16 @@ def group_steps(
     of one doc on it), lean O(s log s + blocks), ring O(s log s + t + blocks) for t
     (shard, other holder of its doc) pairs, segment_ring the segments path's local calls
     and O(t log t) (segment_ring.py). No loop over ranks. ``tiles``: per-rank segment
-    tiles of the gathered path when already counted (unused on the other paths)."""
+    tiles of the gathered path when already counted (unused on the other paths).
+    ``window``: as :func:`rank_step`'s (O(shards + tiles))."""
+    check_window(kernel, window)
     n = num_ranks
     recv = np.asarray(recv_tokens, dtype=np.int64)
     real = per_rank_sums(arrays.end - arrays.start, arrays.bounds)
     path = execution_path(kernel, comm_mode, flash_path)
     step = Step(tokens_per_rank, n, comm_mode, model, kernel, link, overlap)
-    t = PATH_MODELS[path].group_terms(GroupInput(step, arrays, recv, real, tiles))
+    inp = GroupInput(step, arrays, recv, real, tiles)
+    t = windowed.group_terms(inp, window) if window is not None else PATH_MODELS[path].group_terms(inp)
 
     def f(x: Any) -> np.ndarray:
         return np.broadcast_to(np.asarray(x, dtype=np.float64), (n,)).copy()
@@ -175,12 +210,14 @@ class RankTerms(NamedTuple):
 def plan_rank_terms(
     plan: Plan, kernel: KernelProfile, link: LinkProfile, *, comm_mode: str | None = None,
     model: ModelSpec | None = None, overlap: bool = RUNTIME_OVERLAP,
-    flash_path: str = RUNTIME_FLASH_PATH,
+    flash_path: str = RUNTIME_FLASH_PATH, window: int | None = None,
 ) -> list[RankTerms]:
     """Per grouped rank of ``plan``, the terms of :func:`rank_step` under any profiles
     (``plan.metrics`` holds them under the plan's named profiles). ``comm_mode`` defaults
-    to the plan's; ``flash_path`` is the runtime's by default. O(shards + tiles) per rank
-    (ring: per rank and step)."""
+    to the plan's; ``flash_path`` is the runtime's by default. ``window``: one layer of that
+    window, each rank receiving the window's exchange (core/window_work.py). O(shards +
+    tiles) per rank (ring: per rank and step)."""
+    check_window(kernel, window)
     mode = comm_mode or plan.comm_mode
     model = model or plan.model
     out = []
@@ -190,12 +227,18 @@ def plan_rank_terms(
             sum(s.end - s.start for s in shards) + pad
             for shards, pad in zip(group.shards, group.padding, strict=True)
         )
-        recv = recv_tokens_by_mode(mode, comm_volumes(group.shards), tokens_per_rank)
+        if window is None:
+            recv = recv_tokens_by_mode(mode, comm_volumes(group.shards), tokens_per_rank)
+        else:
+            from planner_service.core import window_work  # imports step_time.runs: not at the top
+            volumes = window_work.window_comm_volumes_of(shard_arrays(group.shards), window)
+            recv = list(window_work.recv_tokens(mode, volumes, tokens_per_rank))
         for slot, (rank, shards, r) in enumerate(zip(group.ranks, group.shards, recv, strict=True)):
             blocks = [group.shards[(slot - s) % n] for s in range(1, n)]
             t = rank_terms(shards, recv_tokens=r, tokens_per_rank=tokens_per_rank, num_ranks=n,
                            comm_mode=mode, model=model, kernel=kernel, link=link,
-                           overlap=overlap, ring_blocks=blocks, flash_path=flash_path)
+                           overlap=overlap, ring_blocks=blocks, flash_path=flash_path,
+                           window=window)
             est = StepEstimate(float(t.kernel_ms), float(t.copy_ms), float(t.comm_ms),
                                float(t.linear_ms))
             out.append(RankTerms(
