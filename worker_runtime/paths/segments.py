@@ -54,7 +54,10 @@ from worker_runtime.paths.piece_calls import (
     from_buffer,
     to_buffer,
 )
+from worker_runtime.paths.pieces import build_segment_plan
+from worker_runtime.paths.window_pieces import windowed_state
 from worker_runtime.sinks import merge_sink_, row_delta, sink_grad
+from worker_runtime.windows import HALO_MODES, window_exchanger
 
 
 class SegmentAttention(torch.autograd.Function):
@@ -148,8 +151,17 @@ class LocalSegmentAttention(torch.autograd.Function):
 
 
 def build(ctx: PathContext) -> SegmentState:
+    """The piece calls on the causal exchange; a window layer (a kernel with positional
+    masks): on the window's exchange (``windows.window_exchanger``), the gaps cut to their
+    halos on the halo maps, every call on its windowed mask (``window_pieces.py``)."""
     assert ctx.kernel is not None, "the segments path runs a segment kernel"
-    return build_segment_state(ctx.layout, ctx.comm_map, ctx.kernel, ctx.device, ctx.exchanger)
+    if ctx.window is None:
+        return build_segment_state(ctx.layout, ctx.comm_map, ctx.kernel, ctx.device, ctx.exchanger)
+    ex = window_exchanger(ctx)
+    halo = ctx.window if ctx.gather_mode in HALO_MODES else None
+    plan = build_segment_plan(ctx.layout, ex.comm, halo)
+    state = build_segment_state(ctx.layout, ex.comm, ctx.kernel, ctx.device, ex, plan=plan)
+    return windowed_state(state, ctx.layout, ex.comm, ctx.window, ctx.device)
 
 
 def run(state: SegmentState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
