@@ -2,8 +2,8 @@
 
 Kernels: the block kernel's, the reference segment kernel's and the aten stand-in's
 windowed masks against a dense mask. Worlds (gloo, 2, 3, 5 and 8 ranks): every comm mode,
-the torch kernel (lean path, ring) and a segment kernel (the segments path and the segment
-ring, which run their gathered form under a window), windows 1, 7, 128 and 4,096 on docs
+the torch kernel (lean path, ring) and the reference segment kernel (the segments path and
+the segment ring, natively: halo bytes, the ring's steps_run steps), windows 1, 7, 128 and 4,096 on docs
 long enough for each window to bite, GQA; forward and backward within 1e-10 of the
 reference; ``window=None`` identical to no window (outputs, gradients and bytes).
 """

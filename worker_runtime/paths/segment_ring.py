@@ -36,6 +36,11 @@ after this step's kernels. Bytes per step, the counter's history and ``kv_tokens
 Copies: the local buffer only, as on the segments path (one ``index_select`` of q, k, v
 when some document has several shards here).
 
+A sliding-window layer on a kernel with positional masks (``window_pieces.py``): every
+call on its windowed mask, calls with no key in any window dropped, and the ring runs
+steps 1 .. ``steps_run`` only (``window_map.ring_steps``), as the ring does (flash
+kernels take the gathered form instead, ``paths.windowed_path``).
+
 Calls per pass: ``M (M + 1) / 2`` local and at most ``(N - 1) sum_j C_j`` ring calls, with
 M the most shards of one document on the rank and ``C_j <= min(M, D_j)`` the classes of
 query group j (``D_j`` its documents).

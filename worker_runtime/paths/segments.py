@@ -34,6 +34,11 @@ Copies before the kernel, and why:
   caller's K/V in what backward keeps. Output, dQ, dK and dV go back to the caller's rows
   with one ``index_copy`` each.
 
+A sliding-window layer on a kernel with positional masks (``window_pieces.py``) runs the
+same loops on the window's exchange: gaps cut to their halos on the halo maps, every call
+on its windowed mask, calls with no key in any window dropped (flash kernels take the
+gathered form instead, ``paths.windowed_path``).
+
 ``LocalSegmentAttention`` runs the same calls on buffers given directly (no exchange):
 ``simulate.simulate_segments`` checks whole plans in one process with it.
 """
