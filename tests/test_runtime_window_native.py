@@ -140,3 +140,45 @@ def test_local_segments_matches_dense(mode: str, window: int, seed: int) -> None
         want = torch.autograd.grad((ref * w).sum(), (q, k, v))
         for a, b in zip(got, want, strict=True):
             assert max_abs(a - b) < 1e-10, (rank, mode, window)
+
+
+MASK_LAYERS = [{"window": 7, "count": 2}, {"window": 64, "count": 1}, {"window": None, "count": 1}]
+"""A mixed mask: the runtime's forward tokens per layer type, summed over its layers, must
+be the plan's ``mask_figures_of`` per rank."""
+
+
+def mask_worker(rank: int, world_size: int, plan_json: str) -> dict:
+    from planner_service.core.mask import parse_layers
+    from planner_service.core.plan import Plan
+    from worker_runtime import ContextParallelAttention
+
+    plan, mask = Plan.from_json(plan_json), parse_layers(MASK_LAYERS)
+    gen = torch.Generator().manual_seed(0)
+    total = sum(plan.doc_lengths)
+    glob = [torch.randn(total, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2)]
+    got = {}
+    for mode in ("alltoallv", "compact_allgather", "p2p_ring"):
+        attn = ContextParallelAttention(plan, comm_mode=mode, segment_kernel=ReferenceSegments())
+        tokens = 0
+        for group in mask.groups:
+            attn.counter.reset()
+            local = [attn.dispatch(t).requires_grad_() for t in glob]
+            attn(*local, window=group.window).sum().backward()
+            tokens += group.layers * attn.counter.forward_tokens
+        got[mode] = (attn.layout.slot, tokens, attn.num_tokens)
+    return got
+
+
+def test_mask_tokens_equal_the_plans_figures() -> None:
+    from planner_service.core import cost
+    from planner_service.core import window_work as ww
+    from planner_service.core.mask import parse_layers
+    from worker_runtime.testing import run_distributed
+
+    plan = solve_any([150, 31, 7, 90, 12], 3, "contiguous_halo")
+    arrays = cost.shard_arrays(plan.groups[0].shards)
+    for got in run_distributed(mask_worker, 3, plan.to_json(), timeout_s=120):
+        for mode, (slot, tokens, t) in got.items():
+            figures = ww.mask_figures_of(arrays, parse_layers(MASK_LAYERS), comm_mode=mode,
+                                         tokens_per_rank=t, skip_ring_steps=True)
+            assert tokens == figures.recv[slot], (mode, slot, tokens, figures.recv)
