@@ -2,8 +2,8 @@
 
 Kernels: the block kernel's, the reference segment kernel's and the aten stand-in's
 windowed masks against a dense mask. Worlds (gloo, 2, 3, 5 and 8 ranks): every comm mode,
-the torch kernel (lean path, ring) and a segment kernel (the segments path and the segment
-ring, which run their gathered form under a window), windows 1, 7, 128 and 4,096 on docs
+the torch kernel (lean path, ring) and the reference segment kernel (the segments path and
+the segment ring, natively: halo bytes, the ring's steps_run steps), windows 1, 7, 128 and 4,096 on docs
 long enough for each window to bite, GQA; forward and backward within 1e-10 of the
 reference; ``window=None`` identical to no window (outputs, gradients and bytes).
 """
@@ -261,11 +261,13 @@ def world_worker(rank: int, world_size: int, cases: list[WorldCase], refs: dict)
                 if window is not None and attn.layout.group_index >= 0:
                     volumes, ring = window_expectations(plan, window, attn.layout.group_index)
                     slot, t = attn.layout.slot, attn.num_tokens
-                    # The segment ring's gathered form moves a ring plan's bytes as full.
-                    moved = "full" if seg and mode == "p2p_ring" else mode
-                    entry["want_tokens"] = ww.recv_tokens(moved, volumes, t, ring)[slot]
-                if window is not None and seg is None and attn.layout.group_index >= 0:
-                    # KV held at once: own rows and the distinct halo (gather modes); own
+                    # The segments path and segment ring run natively on the reference
+                    # kernel: the halo maps' bytes, the ring's steps_run steps.
+                    entry["want_tokens"] = ww.recv_tokens(mode, volumes, t, ring)[slot]
+                    entry["want_backward"] = 2 * nbytes[0] if mode == "p2p_ring" else None
+                if window is not None and attn.layout.group_index >= 0:
+                    # KV held at once: own rows and the distinct halo (gather modes; the
+                    # segments path keeps only its halo gaps of a compact all-gather); own
                     # rows and up to two blocks of a ring that runs steps_run steps.
                     own = attn.layout.num_real
                     if mode == "p2p_ring":
@@ -307,6 +309,9 @@ def test_windowed_worlds(world_size: int) -> None:
             assert max(entry["errors"]) < TOL, (rank, key, entry["errors"])
             if "want_tokens" in entry:
                 assert entry["tokens"] == entry["want_tokens"], (rank, key)
+            if entry.get("want_backward") is not None:
+                # Backward: the K/V blocks and their dK/dV accumulators, steps_run each.
+                assert entry["bytes"][1] == entry["want_backward"], (rank, key, entry["bytes"])
             if "want_peak" in entry:
                 assert entry["peak"] == entry["want_peak"], (rank, key, entry["peak"], entry["want_peak"])
             if key[-1] is None:

@@ -49,7 +49,7 @@ from worker_runtime.layout import (
     planned_kv_tokens_peak,
     planned_recv_tokens,
 )
-from worker_runtime.paths import PATHS, PathContext
+from worker_runtime.paths import PATHS, PathContext, windowed_path
 from worker_runtime.paths.lean import local_share
 from worker_runtime.paths.segment_kernels import SegmentKernel
 from worker_runtime.safety import CollectiveCheckError, agree, local_input_problem
@@ -232,7 +232,7 @@ class ContextParallelAttention:
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         runner = PATHS[ExecutionPath(path)]
         if window is not None:
-            runner = PATHS[runner.windowed]
+            runner = PATHS[windowed_path(runner.name, segment_kernel)]
         state = self.path_state(runner.name, q.device, segment_kernel, window)
         return runner.run(state, q, k, v, scale, self.overlap, sink)
 

@@ -17,16 +17,19 @@ of each window and cached by W on the runtime's per-device state:
   the group's last useful step (``window_map.ring_steps``: no later transfer or kernel),
   a rank runs no kernel on a step whose block holds no key inside its windows, and
   backward sends the last dK/dV accumulator straight to its owner;
+- the segments path and segment ring on a kernel with positional masks (the reference
+  kernel): natively (``paths/window_pieces.py``), the segments path on this exchange
+  with its gaps cut to their halos, the segment ring stopping after the last useful step;
 - the gathered form (a segment kernel's or flash-attn's one causal windowed varlen call):
-  the gathered path, and the segments path and segment ring under a window (their full
+  the gathered path, and the segments path and segment ring on flash kernels (their full
   calls on remote gaps have per-document alignments one flash call cannot window; the
   gathered call can). On the halo maps each shard reads its window span ``[max(0, s - W +
   1), e)`` (``window_map.window_gather``); on ``full`` (a ring plan's bytes) its keys
   ``[0, e)`` from the causal map.
 
-Which path runs a windowed call is the table's data (``RuntimePath.windowed`` in
-``worker_runtime.paths``): the lean path and the ring run themselves, the others the
-gathered form. ``window=None`` never reaches the window code: the causal paths run unchanged.
+Which path runs a windowed call is ``worker_runtime.paths.windowed_path``: the table's
+``RuntimePath.windowed`` (the lean path and the ring themselves, the others the gathered
+form), the segments path and segment ring themselves on a kernel with positional masks. ``window=None`` never reaches the window code: the causal paths run unchanged.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from worker_runtime.paths.base import (
     RuntimePath,
     standalone_context,
 )
+from worker_runtime.paths.segment_kernels import SegmentKernel
+from worker_runtime.paths.window_pieces import native_window
 
 
 def _entry(name: ExecutionPath, module: ModuleType, windowed: ExecutionPath) -> RuntimePath:
@@ -43,4 +45,18 @@ PATHS: dict[ExecutionPath, RuntimePath] = {
 }
 """Every path's entry: ``PATHS[path].build(ctx)`` once, then ``.run(state, ...)`` per call."""
 
-__all__ = ["PATHS", "PathContext", "PlannedCall", "PlannedTransfer", "RuntimePath", "standalone_context"]
+
+NATIVE_WINDOW = (ExecutionPath.SEGMENTS, ExecutionPath.SEGMENT_RING)
+"""Paths whose table entry names the gathered form under a window but that run a window
+themselves on a kernel with positional masks (``window_pieces.native_window``)."""
+
+
+def windowed_path(path: ExecutionPath, kernel: SegmentKernel | None) -> ExecutionPath:
+    """The path a sliding-window call of ``path`` on segment kernel ``kernel`` runs."""
+    if path in NATIVE_WINDOW and native_window(kernel):
+        return path
+    return PATHS[path].windowed
+
+
+__all__ = ["PATHS", "PathContext", "PlannedCall", "PlannedTransfer", "RuntimePath", "standalone_context",
+           "windowed_path"]

@@ -12,7 +12,7 @@ kernel's (``segment_kernels.SegmentVarlen``), or flash-attn's public varlen func
 A sliding-window layer (``windows.py``) runs this path's one causal windowed call, on the
 window's halo map for ``alltoallv`` and ``compact_allgather`` (each shard reading its
 window span ``[max(0, s - W + 1), e)``, ``window_map.window_gather``), else on the causal
-map; the segments path and the segment ring run it too under a window.
+map; the segments path and the segment ring run it too under a window on flash kernels.
 
 With a sink (``sinks.py``) the one call runs as a segment kernel call that returns its
 log-sum-exp (``GatheredSinkAttention``): the segment kernel, or without one flash-attn's

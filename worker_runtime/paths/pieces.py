@@ -91,10 +91,15 @@ def _cumsum0(x: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(x))).astype(np.int64)
 
 
-def build_segment_plan(layout: RankLayout, comm: CommMap | None) -> SegmentPlan:
+def build_segment_plan(layout: RankLayout, comm: CommMap | None,
+                       window: int | None = None) -> SegmentPlan:
     """Buffers and calls of ``layout``'s rank for the distinct remote KV of ``comm``;
     ``comm=None``: the local buffer and the local calls alone (no remote buffer, no remote
     calls; the segment ring, ``segment_ring.py``, reads remote keys from the ring's blocks).
+    ``window``: a sliding-window layer on a halo map (``window_map.py``): gap ``G_j`` is
+    its halo ``[max(e_{j-1}, s_j - W + 1), s_j)`` (every key a window of ``S_j`` or a later
+    shard reaches), taken from ``comm``'s remote keys, which may hold more (the compact
+    all-gather's padding and suffixes for other ranks: not put in the remote buffer).
 
     O(S log S + M S) numpy for S shards on the rank and M the most shards of one document
     here; nothing loops over tokens.
@@ -153,11 +158,17 @@ def build_segment_plan(layout: RankLayout, comm: CommMap | None) -> SegmentPlan:
     stride = int(max(comm.remote_pos.max(initial=0), e_tab.max(initial=0))) + 1
     remote_key = comm.remote_doc * stride + comm.remote_pos
     gap_doc = np.broadcast_to(docs[doc_order], gap_tab.shape)
-    lo = np.searchsorted(remote_key, gap_doc * stride + prev_end)
+    if window is not None:
+        gap_lo = np.maximum(prev_end, s_tab - window + 1)
+        gap_tab = np.where(present, s_tab - gap_lo, 0)
+    else:
+        gap_lo = prev_end
+    lo = np.searchsorted(remote_key, gap_doc * stride + gap_lo)
     hi = np.searchsorted(remote_key, gap_doc * stride + s_tab)
     assert (np.where(present, hi - lo, 0) == gap_tab).all(), "every gap token is a distinct remote token"
     remote_order = expand_ranges(lo[present], gap_tab[present])
-    assert len(remote_order) == len(comm.remote_index), "the gaps are the distinct remote KV"
+    assert window is not None or len(remote_order) == len(comm.remote_index), \
+        "the gaps are the distinct remote KV"
     remote_bounds = _cumsum0(gap_tab.sum(axis=1))
 
     remote_calls: list[PieceCall] = []

@@ -133,6 +133,23 @@ class ReferenceSegments:
                                    window=window)
         return segment_meta(cu_q, cu_k, causal, device, masked, window)
 
+    def positional_meta(self, cu_q: np.ndarray, cu_k: np.ndarray, q_pos: np.ndarray,
+                        k_pos: np.ndarray, causal: bool, device: torch.device,
+                        window: int) -> SegmentMeta:
+        """A call whose segment b's queries, at document positions ``q_pos``, see its keys
+        at positions ``k_pos`` in ``(pos - window, pos]`` (causal or full alike: a full
+        call's keys lie below its queries); positions ascend within each segment. Runs
+        the segments path's and segment ring's piece calls under a window
+        (``paths/window_pieces.py``). O(T + K) numpy."""
+        window = check_window(window)
+        assert window is not None
+        lq: np.ndarray = np.diff(np.asarray(cu_q, np.int64))
+        lk: np.ndarray = np.diff(np.asarray(cu_k, np.int64))
+        segs = np.arange(len(lq), dtype=np.int64)
+        masked = build_masked_meta(np.repeat(segs, lq), q_pos, np.repeat(segs, lk), k_pos,
+                                   device, window=window)
+        return segment_meta(cu_q, cu_k, True, device, masked, window)._replace(causal=causal)
+
     def forward(self, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
                 meta: SegmentMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         assert meta.masked is not None

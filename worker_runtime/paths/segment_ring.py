@@ -36,6 +36,11 @@ after this step's kernels. Bytes per step, the counter's history and ``kv_tokens
 Copies: the local buffer only, as on the segments path (one ``index_select`` of q, k, v
 when some document has several shards here).
 
+A sliding-window layer on a kernel with positional masks (``window_pieces.py``): every
+call on its windowed mask, calls with no key in any window dropped, and the ring runs
+steps 1 .. ``steps_run`` only (``window_map.ring_steps``), as the ring does (flash
+kernels take the gathered form instead, ``paths.windowed_path``).
+
 Calls per pass: ``M (M + 1) / 2`` local and at most ``(N - 1) sum_j C_j`` ring calls, with
 M the most shards of one document on the rank and ``C_j <= min(M, D_j)`` the classes of
 query group j (``D_j`` its documents).
@@ -72,7 +77,9 @@ from worker_runtime.paths.ring_steps import (
     slot_rows,
 )
 from worker_runtime.paths.segment_kernels import SegmentKernel
+from worker_runtime.paths.window_pieces import windowed_parts, windowed_state
 from worker_runtime.sinks import merge_sink_, row_delta, sink_grad
+from worker_runtime.window_map import ring_steps
 
 
 class QueryGroup(NamedTuple):
@@ -196,15 +203,39 @@ class SegmentRingState(NamedTuple):
     link: RingLink
     block_rows: int = 0
     """``T``: rows of every block (a slot's whole local buffer)."""
+    num_steps: int | None = None
+    """Steps the ring runs (None: N - 1; a windowed layer: its last useful step)."""
+    back: RingLink | None = None
+    """Where the last backward accumulator goes when the ring stops early (its owner)."""
 
 
 def build_segment_ring_state(layout: RankLayout, kernel: SegmentKernel, link: RingLink,
-                             device: torch.device) -> SegmentRingState:
-    """Plan (``build_segment_ring_plan``) and every call's ``kernel.meta`` on ``device``."""
+                             device: torch.device, window: int | None = None,
+                             order: Any = None) -> SegmentRingState:
+    """Plan (``build_segment_ring_plan``) and every call's ``kernel.meta`` on ``device``.
+
+    ``window`` (a kernel with positional masks, ``window_pieces.py``): every call on its
+    windowed mask, calls with no key inside a window dropped, and the ring stops after
+    the group's last useful step (``window_map.ring_steps``), the last backward
+    accumulator going straight to its owner (``order``: slot ranks, as ``ring_link``)."""
     plan = build_segment_ring_plan(layout)
     segments = build_segment_state(layout, None, kernel, device, plan=plan.local)
-    steps = tuple(call_parts(kernel, calls, device) for calls in plan.steps)
-    return SegmentRingState(segments, steps, layout.num_ranks, link, layout.num_tokens)
+    if window is None:
+        steps = tuple(call_parts(kernel, calls, device) for calls in plan.steps)
+        return SegmentRingState(segments, steps, layout.num_ranks, link, layout.num_tokens)
+    n, i = layout.num_ranks, layout.slot
+    pos = layout.positions[plan.local.local_rows]
+    segments = windowed_state(segments, layout, None, window, device)
+    num_steps = ring_steps(layout, window)[1]
+    steps = tuple(windowed_parts(kernel, calls, pos, slot_rows(layout, (i - s) % n)[1], window,
+                                 device)
+                  for s, calls in enumerate(plan.steps[:num_steps], start=1))
+    back = None
+    if num_steps < n - 1:
+        ranks = list(order) if order is not None else list(range(n))
+        back = RingLink(link.group, ranks[(i - num_steps) % n], ranks[(i + num_steps) % n],
+                        link.counter)
+    return SegmentRingState(segments, steps, n, link, layout.num_tokens, num_steps, back)
 
 
 class SegmentRingAttention(torch.autograd.Function):
@@ -227,7 +258,8 @@ class SegmentRingAttention(torch.autograd.Function):
             forward_parts(seg.kernel, state.steps[s - 1], q_loc, block[0], block[1], found[0],
                           found[1], scale)
 
-        ring_forward(state.link, state.num_ranks, seg.num_real, (k, v), overlap, local, step)
+        ring_forward(state.link, state.num_ranks, seg.num_real, (k, v), overlap, local, step,
+                     state.num_steps)
         out, lse = found
         merge_sink_(out, lse.t(), sink)
         result = from_buffer(out, seg, q.shape[0], q.dtype)
@@ -260,7 +292,8 @@ class SegmentRingAttention(torch.autograd.Function):
                            scale, dq, dk_b, dv_b)
             return dk_b, dv_b
 
-        carry = ring_backward(state.link, state.num_ranks, (k, v), ctx.overlap, local, step)
+        carry = ring_backward(state.link, state.num_ranks, (k, v), ctx.overlap, local, step,
+                              state.num_steps, state.back)
         dq_full = from_buffer(dq, seg, t, q_loc.dtype)
         dk = from_buffer(own[0], seg, t, k.dtype)
         dv = from_buffer(own[1], seg, t, v.dtype)
@@ -313,7 +346,7 @@ class LocalSegmentRingAttention(torch.autograd.Function):
 def build(ctx: PathContext) -> SegmentRingState:
     assert ctx.kernel is not None, "the segment ring runs a segment kernel"
     link = ring_link(ctx.layout, ctx.group, ctx.order, ctx.counter)
-    return build_segment_ring_state(ctx.layout, ctx.kernel, link, ctx.device)
+    return build_segment_ring_state(ctx.layout, ctx.kernel, link, ctx.device, ctx.window, ctx.order)
 
 
 def run(state: SegmentRingState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -338,4 +371,5 @@ def buffers(state: SegmentRingState) -> dict[str, int]:
 
 def planned_transfers(state: SegmentRingState) -> tuple[PlannedTransfer, ...]:
     """3 shifts per step of a ``T``-row block: forward K/V, backward K/V and dK/dV."""
-    return (PlannedTransfer("shift", state.block_rows, 3 * (state.num_ranks - 1)),)
+    last = state.num_ranks - 1 if state.num_steps is None else state.num_steps
+    return (PlannedTransfer("shift", state.block_rows, 3 * last),)

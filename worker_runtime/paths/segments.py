@@ -34,6 +34,11 @@ Copies before the kernel, and why:
   caller's K/V in what backward keeps. Output, dQ, dK and dV go back to the caller's rows
   with one ``index_copy`` each.
 
+A sliding-window layer on a kernel with positional masks (``window_pieces.py``) runs the
+same loops on the window's exchange: gaps cut to their halos on the halo maps, every call
+on its windowed mask, calls with no key in any window dropped (flash kernels take the
+gathered form instead, ``paths.windowed_path``).
+
 ``LocalSegmentAttention`` runs the same calls on buffers given directly (no exchange):
 ``simulate.simulate_segments`` checks whole plans in one process with it.
 """
@@ -54,7 +59,10 @@ from worker_runtime.paths.piece_calls import (
     from_buffer,
     to_buffer,
 )
+from worker_runtime.paths.pieces import build_segment_plan
+from worker_runtime.paths.window_pieces import windowed_state
 from worker_runtime.sinks import merge_sink_, row_delta, sink_grad
+from worker_runtime.windows import HALO_MODES, window_exchanger
 
 
 class SegmentAttention(torch.autograd.Function):
@@ -148,8 +156,17 @@ class LocalSegmentAttention(torch.autograd.Function):
 
 
 def build(ctx: PathContext) -> SegmentState:
+    """The piece calls on the causal exchange; a window layer (a kernel with positional
+    masks): on the window's exchange (``windows.window_exchanger``), the gaps cut to their
+    halos on the halo maps, every call on its windowed mask (``window_pieces.py``)."""
     assert ctx.kernel is not None, "the segments path runs a segment kernel"
-    return build_segment_state(ctx.layout, ctx.comm_map, ctx.kernel, ctx.device, ctx.exchanger)
+    if ctx.window is None:
+        return build_segment_state(ctx.layout, ctx.comm_map, ctx.kernel, ctx.device, ctx.exchanger)
+    ex = window_exchanger(ctx)
+    halo = ctx.window if ctx.gather_mode in HALO_MODES else None
+    plan = build_segment_plan(ctx.layout, ex.comm, halo)
+    state = build_segment_state(ctx.layout, ex.comm, ctx.kernel, ctx.device, ex, plan=plan)
+    return windowed_state(state, ctx.layout, ex.comm, ctx.window, ctx.device)
 
 
 def run(state: SegmentState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
