@@ -241,3 +241,24 @@ def test_the_cli_schedules_under_the_mask_and_without_one_as_before() -> None:
     assert strip(causal.stdout) == strip(full.stdout) == strip(json.dumps(
         schedule(core()).to_dict()))
     assert strip(causal.stdout) != strip(masked.stdout)
+
+
+def test_a_global_batch_under_a_mask_is_one_request_whatever_its_spelling(http) -> None:
+    path = "/v1/jobs/masked/global-batches/0"
+    body = {**BODY, "window": 1024}
+    first = http.put(path, json=body)
+    assert first.status_code in (200, 202), first.text
+    same = http.put(path, json={**BODY, "layers": [{"window": 1024, "count": 1}]})
+    assert same.status_code in (200, 202), same.text
+    assert same.json()["request_hash"] == first.json()["request_hash"]
+    assert http.put(path, json={**BODY, "window": 512}).status_code == 409
+    two = {**BODY, "layers": [{"window": 1024, "count": 2}]}  # another model: counts kept
+    assert http.put(path, json=two).status_code == 409
+    assert http.put(path, json=BODY).status_code == 409  # causal is another request
+    got = http.get(path, params={"wait_ms": int(scaled(20) * 1e3)})
+    assert got.status_code == 200, got.text
+    check_plans(got.text, AttentionMask.uniform(1024))
+    local = solve_schedule_dict(body)
+    assert local.plan_json.encode() == got.content
+    bad = http.put("/v1/jobs/masked/global-batches/1", json={**BODY, "window": 0})
+    assert bad.status_code == 422 and bad.json()["field"] == "window", bad.text
