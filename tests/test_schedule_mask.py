@@ -129,6 +129,12 @@ def test_a_masked_schedule_plans_every_group_under_the_mask() -> None:
     check_plans(json.dumps(result.to_dict()), GEMMA_LIKE)
     for mb in causal.micro_batches:
         assert mb.plan is not None and mb.plan.mask == CAUSAL
+    # The schedule names its mask, also without plans; a causal one has no such key.
+    assert result.to_dict()["mask"] == GEMMA_LIKE.to_list()
+    assert schedule(core(GEMMA_LIKE, build_plans=False)).to_dict()["mask"] == \
+        GEMMA_LIKE.to_list()
+    assert "mask" not in causal.to_dict()
+    assert "mask" not in schedule(core(AttentionMask.uniform(None, 3))).to_dict()
 
 
 def test_a_plan_that_misses_the_target_under_the_mask_says_so() -> None:

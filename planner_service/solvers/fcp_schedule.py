@@ -245,4 +245,5 @@ def schedule(request: ScheduleRequest) -> FcpResult:
         micro_batches=tuple(out), degrees=tuple(degrees), est_makespan_ms=found.makespan_ms,
         profile=profile.name, strategy=request.strategy,
         solve_ms=(solved - started) * 1e3, plan_ms=(done - solved) * 1e3,
+        mask=CAUSAL if request.mask.is_causal else request.mask,
     )
