@@ -268,3 +268,13 @@ def test_a_global_batch_under_a_mask_is_one_request_whatever_its_spelling(http) 
     assert local.plan_json.encode() == got.content
     bad = http.put("/v1/jobs/masked/global-batches/1", json={**BODY, "window": 0})
     assert bad.status_code == 422 and bad.json()["field"] == "window", bad.text
+
+
+
+def test_the_cli_takes_hf_config_like_planner_plan(tmp_path) -> None:
+    # The flag reads the config by cli/mask_opts.mask_of, as planner plan does (its
+    # transformers path: tests/test_cli_mask.py); a missing one is refused before FCP runs.
+    missing = run_cli("--hf-config", str(tmp_path / "nope"))
+    assert missing.exit_code == 2 and missing.stderr.strip().endswith("; change --hf-config")
+    both = run_cli("--hf-config", str(tmp_path), "--window", "64")
+    assert both.exit_code == 2 and "exclusive" in both.stderr
