@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from planner_service.cli.common import console, fail, note
+from planner_service.cli.mask_opts import HfConfig, Layers, Window, mask_of
 from planner_service.fcp.cost_model import DEFAULT_PROFILE, PROFILES, get_profile
 from planner_service.fcp.requests import FcpResult
 from planner_service.solvers.balance import missed
@@ -85,12 +86,20 @@ def schedule(
         help="Also estimate the best static degree and the power-of-two greedy")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON")] = False,
     out: Annotated[Path | None, typer.Option(help="Write the result JSON to this file")] = None,
+    window: Window = None,
+    layers: Layers = None,
+    hf_config: HfConfig = None,
 ) -> None:
     """FCP: split a batch into micro-batches, CP groups of any degree, one plan each."""
+    mask = mask_of(window, layers, hf_config)
+    if compare and not mask.is_causal:
+        raise fail("--compare estimates causal attention only: drop it or the mask "
+                   "(--window / --layers / --hf-config)")
     batch = _batch(sequences, dataset, num_sequences, max_tokens, packed, seed)
     request = ScheduleRequest(
-        sequences=tuple(tuple(s) for s in batch), num_ranks=ranks, memory_tokens=memory_tokens, strategy=strategy,
-        profile=profile, search=search, micro_batches=micro_batches, build_plans=plans,
+        sequences=tuple(tuple(s) for s in batch), num_ranks=ranks, memory_tokens=memory_tokens,
+        strategy=strategy, profile=profile, search=search, micro_batches=micro_batches,
+        build_plans=plans, mask=mask,
     )
     result = run_schedule(request)
     if out is not None:
@@ -99,6 +108,8 @@ def schedule(
         typer.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
         return
     what = f"{len(batch)} sequences" + (f" of {dataset}" if dataset else "")
+    if not mask.is_causal:
+        what += f", layers {mask.to_text()}"
     console.print(_result_table(result, f"FCP, {what}, N = {ranks}, E = {memory_tokens:,}"))
     console.print(
         f"est. makespan {result.est_makespan_ms:.2f} ms/layer over "

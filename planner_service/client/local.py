@@ -49,10 +49,14 @@ def solve_schedule_dict(request: dict[str, Any]) -> SolvedPlan:
     from pydantic import ValidationError
 
     from planner_service.service.schedule_wire import schedule_payload
-    from planner_service.service.schemas import ScheduleRequestIn, validation_message
+    from planner_service.service.schemas import (
+        ScheduleRequestIn,
+        schedule_body,
+        validation_message,
+    )
 
     try:
-        payload = ScheduleRequestIn.model_validate(request).model_dump()
+        payload = schedule_body(ScheduleRequestIn.model_validate(request))
         start = time.perf_counter()
         done = schedule_payload(payload)
     except ValidationError as exc:

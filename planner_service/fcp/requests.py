@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner_service.core.errors import FieldError
+from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.plan import Plan
 from planner_service.core.request import MAX_TOKENS, check_doc_lengths
 
@@ -111,6 +112,9 @@ class FcpResult:
     """Wall time of splitting, stage 1 and stage 2 (no plan building)."""
     plan_ms: float
     """Wall time of building and validating the intra-group plans."""
+    mask: AttentionMask = CAUSAL
+    """The attention mask it was scheduled for (JSON ``mask``, the ``layers`` shape, only
+    when not causal, as in a plan: a schedule without plans still names it)."""
 
     @property
     def plans(self) -> tuple[Plan, ...]:
@@ -126,4 +130,5 @@ class FcpResult:
             "strategy": self.strategy,
             "solve_ms": self.solve_ms,
             "plan_ms": self.plan_ms,
+            **({} if self.mask.is_causal else {"mask": self.mask.to_list()}),
         }

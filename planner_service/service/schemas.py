@@ -211,12 +211,30 @@ class ScheduleRequestIn(BaseModel):
     kernel: StrictStr | None = Field(None, max_length=64)
     link: StrictStr | None = Field(None, max_length=64)
     imbalance_target: float | None = Field(None, ge=1.0, le=100.0, allow_inf_nan=False)
+    window: StrictInt | None = Field(
+        None, description="The model's attention: a sliding window of this many keys in every "
+        "layer (null or absent: causal). Exclusive with layers (docs/windows.md)")
+    layers: list[dict[str, Any]] | None = Field(
+        None, max_length=64, description='Or a mix: [{"window": 1024, "count": 5}, '
+        '{"window": null, "count": 1}] (docs/windows.md)')
 
 
 def schedule_body(body: ScheduleRequestIn) -> dict[str, Any]:
     """The scheduler's input: the fields the caller set (so unset ones take the
-    scheduler's defaults and the content hash of a body does not depend on them)."""
-    return body.model_dump(exclude_unset=True, exclude_none=True)
+    scheduler's defaults and the content hash of a body does not depend on them).
+
+    The mask (``window`` / ``layers``, read as a plan request's are) is held in one
+    canonical form: ``layers`` (``AttentionMask.to_list``) when not causal, absent when
+    causal, so a causal body hashes as one without a mask and equal masks hash equal.
+    Raises FieldError for a bad mask."""
+    payload = body.model_dump(exclude_unset=True, exclude_none=True)
+    payload.pop("window", None)
+    payload.pop("layers", None)
+    mask = parse_mask(window=body.window, layers=body.layers,
+                      has_window="window" in body.model_fields_set)
+    if not mask.is_causal:
+        payload["layers"] = mask.to_list()
+    return payload
 
 
 def check_finite(value: Any, field: str = "body") -> None:

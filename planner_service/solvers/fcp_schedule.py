@@ -2,7 +2,8 @@
 
 ``planner_service.fcp.plan_global_batch`` finds the micro-batches, groups and degrees;
 this module adds rank ranges and one validated Plan per micro-batch, each group's shards
-from an intra-group strategy of the registry (flashcp by default).
+from an intra-group strategy of the registry (flashcp by default). Under the request's
+``mask`` both stages and every group's plan work on the layer-weighted windowed work.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from planner_service.core.build import Layout, build_plan
 from planner_service.core.errors import FieldError
+from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import Plan
 from planner_service.core.profiles import default_kernel_name
@@ -21,6 +23,7 @@ from planner_service.core.request import (
     DEFAULT_IMBALANCE_TARGET,
     MAX_FCP_RANKS,
     MAX_TOKENS,
+    PlanRequest,
     check_imbalance_target,
     check_int,
     check_profile_names,
@@ -38,6 +41,8 @@ from planner_service.fcp.requests import (
 from planner_service.fcp.schedule import plan_checked
 from planner_service.solvers.balance import declared
 from planner_service.solvers.fcp_strategy import Intra, group_layouts
+from planner_service.solvers.flashcp_masked import redeclared
+from planner_service.solvers.kv_bound import listed
 from planner_service.solvers.registry import get_strategy
 
 
@@ -75,6 +80,10 @@ class ScheduleRequest:
     link: str = "nvlink"
     imbalance_target: float = DEFAULT_IMBALANCE_TARGET
     """Target R of the intra-group strategy (flashcp)."""
+    mask: AttentionMask = CAUSAL
+    """The model's attention (core/mask.py): FCP's attention units are its layer-weighted
+    windowed work, every group's intra plan is planned for it and the micro-batch plans
+    carry it, their balance declared from the weighted work. Not with ``full_attention``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sequences", check_sequences(self.sequences))
@@ -100,6 +109,11 @@ class ScheduleRequest:
                 raise FieldError(f"full_attention.{i}",
                                  f"full_attention[{i}] must be true or false, got {flag!r}")
         object.__setattr__(self, "full_attention", tuple(flags))
+        if not isinstance(self.mask, AttentionMask):
+            raise FieldError("mask", f"mask must be an AttentionMask, got {self.mask!r}")
+        if not self.mask.is_causal and any(flags):
+            raise FieldError("full_attention", "full_attention is not supported with a "
+                             "sliding-window mask (window / layers)")
         check_options(self.search, self.method)
         if self.micro_batches is not None:
             check_int(self.micro_batches, "micro_batches", 1, len(self.sequences))
@@ -125,33 +139,46 @@ def micro_batch_plan(
     link: str,
     imbalance_target: float,
     info: dict[str, Any],
+    mask: AttentionMask = CAUSAL,
 ) -> Plan:
     """The validated plan of one micro-batch; PlanError only on an internal bug.
 
     ``sequences`` are this micro-batch's sequences (doc lengths) in plan order and
     ``groups`` index into them. The plan's doc_lengths are all their docs in that order;
     ``info["sequences"]`` records ``[first_doc, num_docs]`` of each.
+
+    ``mask``: every group's intra request carries it, the plan's metrics are measured
+    under it, and (not causal) the balance is declared from each group's layer-weighted
+    imbalance (``flashcp_masked.redeclared``, as strategy ``fcp`` does), O(G s log s).
     """
     plans = group_layouts(
         sequences, groups, starts, degrees, intra=intra, model=model, kernel=kernel,
-        link=link, imbalance_target=imbalance_target,
+        link=link, imbalance_target=imbalance_target, mask=mask,
     )
     first_doc = 0
     spans = []
     for seq in sequences:
         spans.append([first_doc, len(seq)])
         first_doc += len(seq)
+    doc_lengths = [length for seq in sequences for length in seq]
+    layout = Layout(groups=plans.layouts,
+                    info=declared({**info, "sequences": spans}, plans.missed, imbalance_target))
+    if not mask.is_causal:  # the weighing reads the mask and R only; cp_size: widest group
+        weighed = PlanRequest(doc_lengths=tuple(doc_lengths), cp_size=max(degrees),
+                              strategy="fcp", model=model, kernel=kernel, link=link,
+                              imbalance_target=imbalance_target, mask=mask)
+        layout = redeclared(listed(layout), weighed)
     plan = build_plan(
-        Layout(groups=plans.layouts,
-               info=declared({**info, "sequences": spans}, plans.missed, imbalance_target)),
+        layout,
         strategy="fcp",
         cp_size=num_ranks,
-        doc_lengths=[length for seq in sequences for length in seq],
+        doc_lengths=doc_lengths,
         context_length=None,
         comm_mode=intra.comm_mode,
         model=model,
         kernel=kernel,
         link=link,
+        mask=mask,
     )
     validate_plan(plan)
     return plan
@@ -169,7 +196,7 @@ def schedule(request: ScheduleRequest) -> FcpResult:
     found = plan_checked(
         request.sequences, num_ranks=request.num_ranks, memory_tokens=request.memory_tokens,
         profile=profile, full_attention=request.full_attention, search=request.search,
-        method=request.method, micro_batches=request.micro_batches,
+        method=request.method, micro_batches=request.micro_batches, mask=request.mask,
     )
     solved = time.perf_counter()
     degrees = [0] * len(request.sequences)
@@ -195,7 +222,7 @@ def schedule(request: ScheduleRequest) -> FcpResult:
                 starts, grouping.degrees,
                 num_ranks=request.num_ranks, intra=intra, model=request.model,
                 kernel=request.kernel, link=request.link,
-                imbalance_target=float(request.imbalance_target),
+                imbalance_target=float(request.imbalance_target), mask=request.mask,
                 info={
                     "fcp_micro_batch": [index, len(found.micro_batches)],
                     "sequence_ids": list(ids),
@@ -218,4 +245,5 @@ def schedule(request: ScheduleRequest) -> FcpResult:
         micro_batches=tuple(out), degrees=tuple(degrees), est_makespan_ms=found.makespan_ms,
         profile=profile.name, strategy=request.strategy,
         solve_ms=(solved - started) * 1e3, plan_ms=(done - solved) * 1e3,
+        mask=CAUSAL if request.mask.is_causal else request.mask,
     )
