@@ -104,3 +104,24 @@ def test_sliding_window_models_train_exactly_on_every_path() -> None:
             for name, want in ref_grads.items():
                 err = float(abs(got["grads"][name] - want.numpy()).max())
                 assert err <= TOL, f"{family} {path} {name}: {err:.2e}"
+
+
+def test_planner_fields_give_the_planner_the_models_mask() -> None:
+    import transformers
+
+    from planner_service.client import PlanClient
+    from planner_service.core.mask import parse_mask
+    from worker_runtime.hf import planner_fields
+
+    assert planner_fields(tiny("Mistral")) == {"layers": [{"window": WINDOW, "count": 2}]}
+    qwen = planner_fields(tiny("Qwen2"))
+    assert parse_mask(layers=qwen["layers"]) == parse_mask(layers="1x8,1xfull")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        k: v for k, v in SMALL.items() if k != "sliding_window"}))
+    assert planner_fields(llama) == {}
+    client = PlanClient("embedded", cp_size=WORLD_SIZE, request_defaults=qwen)
+    try:
+        plan = client.plan(DOC_LENGTHS).plan
+    finally:
+        client.close()
+    assert plan.mask == parse_mask(layers=qwen["layers"])

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from planner_service.core.mask import from_hf_config
 from planner_service.core.plan import Plan
 from worker_runtime.attention import ContextParallelAttention
 from worker_runtime.hf_check import ModelSupport, inspect_model
@@ -169,6 +170,16 @@ def enable_cp_attention(model: Any, name: str = ATTN_IMPLEMENTATION) -> Any:
         # model's windows from whichever attention module it is called with.
         object.__setattr__(module, SUPPORT_ATTRIBUTE, support)
     return model
+
+
+def planner_fields(model: Any) -> dict[str, Any]:
+    """The request fields that give the planner ``model``'s attention, read from its config
+    (``core.mask.from_hf_config``: ``layer_types``, ``sliding_window``): ``{"layers": [...]}``
+    to merge into a client's ``request_defaults`` or a request body, ``{}`` when every layer
+    is causal (so the request and its plan stay those of a request without a mask).
+    ValueError naming the config field for what the planner cannot represent."""
+    mask = from_hf_config(model.config)
+    return {} if mask.is_causal else {"layers": mask.to_list()}
 
 
 def check_plan(support: ModelSupport | Any, plan: Plan) -> None:
