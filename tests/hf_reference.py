@@ -54,3 +54,22 @@ def per_document_reference(model: Any, ids: torch.Tensor, doc_lengths: Sequence[
             loss.backward()
             loss_sum += loss.item()
     return loss_sum, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def sgd_step(model: Any, grads: dict[str, Any], lr: float) -> None:
+    """``p -= lr * g`` for every parameter (``grads``: name to a tensor or array): the
+    update between the steps of the two-step training tests."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p -= lr * torch.as_tensor(grads[name])
+
+
+def reference_steps(model: Any, ids: torch.Tensor, doc_lengths: Sequence[int], steps: int,
+                    lr: float) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """``per_document_reference`` of ``steps`` training steps, ``sgd_step`` between them."""
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        out.append(per_document_reference(model, ids, doc_lengths))
+        sgd_step(model, out[-1][1], lr)
+    return out

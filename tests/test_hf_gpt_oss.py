@@ -1,7 +1,8 @@
 """GPT-OSS (attention sinks in ``s_aux``, sliding-window layers alternating with full ones)
 trains under the CP runtime exactly: on 3 gloo ranks, on the lean, ring and segments
-paths, the loss and every parameter gradient, the sinks' included, within 1e-9 of each
-document run alone in one float64 process.
+paths, two training steps (an SGD step between them): each step's loss and every
+parameter gradient, the sinks' included, within 1e-9 of each document run alone in one
+float64 process.
 
 Three of the documents are longer than the sliding layers' ``WINDOW``, so the window bites
 (``attention(window=)``, docs/runtime.md, Windows).
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_reference import KeepFloat64, lm_loss, per_document_reference
+from hf_reference import KeepFloat64, lm_loss, reference_steps, sgd_step
 from timing import scaled
 
 pytestmark = [
@@ -29,6 +30,9 @@ WORLD_SIZE = 3
 VOCAB = 96
 TOL = 1e-9
 PATHS = ("lean", "ring", "segments")
+STEPS = 2
+LR = 0.1
+"""Two training steps, an SGD step of LR between them (the second on new weights)."""
 
 
 def tiny_gpt_oss() -> Any:
@@ -51,8 +55,8 @@ def input_ids() -> torch.Tensor:
     return torch.randint(3, VOCAB, (sum(DOC_LENGTHS),), generator=torch.Generator().manual_seed(2))
 
 
-def reference() -> tuple[float, dict[str, torch.Tensor]]:
-    return per_document_reference(tiny_gpt_oss(), input_ids(), DOC_LENGTHS)
+def reference() -> list[tuple[float, dict[str, torch.Tensor]]]:
+    return reference_steps(tiny_gpt_oss(), input_ids(), DOC_LENGTHS, STEPS, LR)
 
 
 def worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
@@ -64,26 +68,30 @@ def worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
     from worker_runtime.paths.segment_kernels import ReferenceSegments
 
     plan = Plan.from_json(plan_json)
-    model = enable_cp_attention(tiny_gpt_oss())
     results = {}
     for path in PATHS:
+        model = enable_cp_attention(tiny_gpt_oss())
         attn = ContextParallelAttention(plan, comm_mode="p2p_ring" if path == "ring" else None,
                                         segment_kernel=ReferenceSegments() if path == "segments" else None)
-        model.zero_grad(set_to_none=True)
-        batch = prepare_batch(attn, input_ids())
-        labels, total = batch.pop("labels")[0], batch.pop("num_items_in_batch")
-        batch.pop("shift_labels")
-        with KeepFloat64(), use_cp_attention(attn):
-            loss = lm_loss(model(**batch).logits, labels, total)
-            loss.backward()
-        total_loss = loss.detach().clone()
-        dist.all_reduce(total_loss)
-        grads = {}
-        for n, p in model.named_parameters():
-            assert p.grad is not None, n
-            dist.all_reduce(p.grad)
-            grads[n] = p.grad.numpy().copy()  # numpy: tensors would cross as shared memory
-        results[path] = {"loss": total_loss.item(), "grads": grads,
+        steps = []
+        for _ in range(STEPS):
+            model.zero_grad(set_to_none=True)
+            batch = prepare_batch(attn, input_ids())
+            labels, total = batch.pop("labels")[0], batch.pop("num_items_in_batch")
+            batch.pop("shift_labels")
+            with KeepFloat64(), use_cp_attention(attn):
+                loss = lm_loss(model(**batch).logits, labels, total)
+                loss.backward()
+            total_loss = loss.detach().clone()
+            dist.all_reduce(total_loss)
+            grads = {}
+            for n, p in model.named_parameters():
+                assert p.grad is not None, n
+                dist.all_reduce(p.grad)
+                grads[n] = p.grad.numpy().copy()  # numpy: tensors would cross as shared memory
+            steps.append({"loss": total_loss.item(), "grads": grads})
+            sgd_step(model, grads, LR)
+        results[path] = {"steps": steps,
                          "path": attn.execution_path(torch.zeros(1, 4, 8, dtype=torch.float64))[0]}
     return results
 
@@ -97,16 +105,17 @@ def test_gpt_oss_trains_exactly_with_sinks_on_every_path() -> None:
     plan = solve(PlanRequest(doc_lengths=DOC_LENGTHS, cp_size=WORLD_SIZE, strategy="flashcp",
                              model=ModelSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype_bytes=8)))
     assert plan.metrics.num_split_docs > 0
-    ref_loss, ref_grads = reference()
-    sinks = [n for n in ref_grads if n.endswith("sinks")]
-    assert len(sinks) == 2 and min(ref_grads[n].abs().max().item() for n in sinks) > 1e-5
+    ref = reference()
+    sinks = [n for n in ref[0][1] if n.endswith("sinks")]
+    assert len(sinks) == 2 and min(ref[0][1][n].abs().max().item() for n in sinks) > 1e-5
     per_rank = run_distributed(worker, WORLD_SIZE, plan.to_json(), timeout_s=scaled(240.0))
     for path in PATHS:
-        got = per_rank[0][path]
-        assert got["path"] == path
-        assert abs(got["loss"] - ref_loss) <= TOL, (path, got["loss"], ref_loss)
-        for name, want in ref_grads.items():
-            err = float(abs(got["grads"][name] - want.numpy()).max())
-            assert err <= TOL, f"{path} {name}: {err:.2e}"
-            if name in sinks:  # small gradients: relative to their size too
-                assert err <= 1e-9 * want.abs().max().item(), f"{path} {name}: {err:.2e}"
+        assert per_rank[0][path]["path"] == path
+        for step, (ref_loss, ref_grads) in enumerate(ref):
+            got = per_rank[0][path]["steps"][step]
+            assert abs(got["loss"] - ref_loss) <= TOL, (path, step, got["loss"], ref_loss)
+            for name, want in ref_grads.items():
+                err = float(abs(got["grads"][name] - want.numpy()).max())
+                assert err <= TOL, f"{path} step {step} {name}: {err:.2e}"
+                if name in sinks:  # small gradients: relative to their size too
+                    assert err <= 1e-9 * want.abs().max().item(), f"{path} step {step} {name}: {err:.2e}"

@@ -1,9 +1,10 @@
 """Sliding-window transformers models train under the CP runtime exactly: a tiny Mistral
-(a window of 8 in every layer) and a tiny Qwen2 with ``use_sliding_window`` (layer 1
-windowed, layer 0 full) on 2 gloo ranks, documents longer than the window split across the
-ranks, on the lean, ring and segments paths: the loss and every parameter gradient within
-1e-9 of each document run alone in one float64 process (transformers' own eager
-sliding-window mask).
+(a window of 8 in every layer), a tiny Qwen2 with ``use_sliding_window`` (layer 1
+windowed, layer 0 full) and a tiny Gemma 3 (layer 0 windowed, layer 1 full) on 2 gloo
+ranks, documents longer than the window split across the ranks, on the lean, ring and
+segments paths, two training steps (an SGD step between them): the loss and every
+parameter gradient of both steps within 1e-9 of each document run alone in one float64
+process (transformers' own eager sliding-window mask).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_reference import KeepFloat64, lm_loss, per_document_reference
+from hf_reference import KeepFloat64, lm_loss, reference_steps, sgd_step
 from timing import scaled
 
 pytestmark = [
@@ -32,25 +33,35 @@ SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 32, "num_h
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
          "max_position_embeddings": 128, "pad_token_id": 0, "use_cache": False,
          "sliding_window": WINDOW}
-FAMILIES = {"Mistral": {}, "Qwen2": {"use_sliding_window": True, "max_window_layers": 1}}
+FAMILIES = {"Mistral": {}, "Qwen2": {"use_sliding_window": True, "max_window_layers": 1},
+            "Gemma3": {"layer_types": ["sliding_attention", "full_attention"]}}
+CLASSES = {"Gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+"""transformers class names where they are not ``{family}Config`` / ``{family}ForCausalLM``."""
+LAYER_TYPES = {"Qwen2": ["full_attention", "sliding_attention"],
+               "Gemma3": ["sliding_attention", "full_attention"]}
+STEPS = 2
+LR = 0.5
+"""SGD step between the two steps (large, so the second step runs on visibly new weights)."""
 
 
 def tiny(family: str) -> Any:
     import transformers
 
-    config = getattr(transformers, f"{family}Config")(**SMALL, **FAMILIES[family])
-    if family == "Qwen2":
-        assert config.layer_types == ["full_attention", "sliding_attention"]
+    config_name, model_name = CLASSES.get(family, (f"{family}Config", f"{family}ForCausalLM"))
+    config = getattr(transformers, config_name)(**SMALL, **FAMILIES[family])
+    if family in LAYER_TYPES:
+        assert config.layer_types == LAYER_TYPES[family]
     torch.manual_seed(0)
-    return getattr(transformers, f"{family}ForCausalLM")(config).to(torch.float64).eval()
+    return getattr(transformers, model_name)(config).to(torch.float64).eval()
 
 
 def input_ids() -> torch.Tensor:
     return torch.randint(3, VOCAB, (sum(DOC_LENGTHS),), generator=torch.Generator().manual_seed(2))
 
 
-def reference(family: str) -> tuple[float, dict[str, torch.Tensor]]:
-    return per_document_reference(tiny(family), input_ids(), DOC_LENGTHS)
+def reference(family: str) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """Each step's loss and gradients, every document alone in one process."""
+    return reference_steps(tiny(family), input_ids(), DOC_LENGTHS, STEPS, LR)
 
 
 def worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
@@ -64,25 +75,29 @@ def worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
     plan = Plan.from_json(plan_json)
     results = {}
     for family in FAMILIES:
-        model = enable_cp_attention(tiny(family))
         for path in PATHS:
+            model = enable_cp_attention(tiny(family))
             attn = ContextParallelAttention(plan, comm_mode="p2p_ring" if path == "ring" else "alltoallv",
                                             segment_kernel=ReferenceSegments() if path == "segments" else None)
-            model.zero_grad(set_to_none=True)
-            batch = prepare_batch(attn, input_ids())
-            labels, total = batch.pop("labels")[0], batch.pop("num_items_in_batch")
-            batch.pop("shift_labels")
-            with KeepFloat64(), use_cp_attention(attn):
-                loss = lm_loss(model(**batch).logits, labels, total)
-                loss.backward()
-            total_loss = loss.detach().clone()
-            dist.all_reduce(total_loss)
-            grads = {}
-            for n, p in model.named_parameters():
-                assert p.grad is not None, n
-                dist.all_reduce(p.grad)
-                grads[n] = p.grad.numpy().copy()  # numpy: tensors would cross as shared memory
-            results[(family, path)] = {"loss": total_loss.item(), "grads": grads}
+            steps = []
+            for _ in range(STEPS):
+                model.zero_grad(set_to_none=True)
+                batch = prepare_batch(attn, input_ids())
+                labels, total = batch.pop("labels")[0], batch.pop("num_items_in_batch")
+                batch.pop("shift_labels")
+                with KeepFloat64(), use_cp_attention(attn):
+                    loss = lm_loss(model(**batch).logits, labels, total)
+                    loss.backward()
+                total_loss = loss.detach().clone()
+                dist.all_reduce(total_loss)
+                grads = {}
+                for n, p in model.named_parameters():
+                    assert p.grad is not None, n
+                    dist.all_reduce(p.grad)
+                    grads[n] = p.grad.numpy().copy()  # numpy: tensors would cross as shared memory
+                steps.append({"loss": total_loss.item(), "grads": grads})
+                sgd_step(model, grads, LR)
+            results[(family, path)] = steps
     return results
 
 
@@ -97,13 +112,13 @@ def test_sliding_window_models_train_exactly_on_every_path() -> None:
     assert plan.metrics.num_split_docs > 0
     per_rank = run_distributed(worker, WORLD_SIZE, plan.to_json(), timeout_s=scaled(240.0))
     for family in FAMILIES:
-        ref_loss, ref_grads = reference(family)
-        for path in PATHS:
-            got = per_rank[0][(family, path)]
-            assert abs(got["loss"] - ref_loss) <= TOL, (family, path, got["loss"], ref_loss)
-            for name, want in ref_grads.items():
-                err = float(abs(got["grads"][name] - want.numpy()).max())
-                assert err <= TOL, f"{family} {path} {name}: {err:.2e}"
+        for step, (ref_loss, ref_grads) in enumerate(reference(family)):
+            for path in PATHS:
+                got = per_rank[0][(family, path)][step]
+                assert abs(got["loss"] - ref_loss) <= TOL, (family, path, step, got["loss"], ref_loss)
+                for name, want in ref_grads.items():
+                    err = float(abs(got["grads"][name] - want.numpy()).max())
+                    assert err <= TOL, f"{family} {path} step {step} {name}: {err:.2e}"
 
 
 def test_planner_fields_give_the_planner_the_models_mask() -> None:
