@@ -167,6 +167,7 @@ def build_window_model(blocks: Blocks, num_ranks: int, mask: AttentionMask, *,
                     model.AddImplication(x[p.block][r], nv[r])
                     model.AddImplication(later[r], nv[r])
         else:
+            assert group.window is not None  # acts_causal holds for None
             for block_pieces in window_pieces(blocks, group.window):
                 before: list[cp_model.IntVar] | None = None
                 for p in block_pieces:
@@ -213,6 +214,7 @@ def window_values(blocks: Blocks, ranks: Sequence[int], num_ranks: int,
     model's need booleans). O(G B log B)."""
     shards = block_shards(blocks, ranks, num_ranks)
     arrays = cost.shard_arrays(shards)
+    assert arrays is not None, "a request's blocks are int64-safe (core/request.py bounds)"
     loads, comm = ww.alltoallv_figures_of(arrays, mask)
     tokens = [sum(s.end - s.start for s in rank) for rank in shards]
     return WindowValues(tokens, list(loads), comm)

@@ -116,6 +116,7 @@ def check_size(blocks: Blocks, num_ranks: int, mask: AttentionMask, granularity:
         if acts_causal(group.window, longest):
             size += 3 * len(causal_pieces(blocks))
         else:
+            assert group.window is not None  # acts_causal holds for None
             for pieces in window_pieces(blocks, group.window):
                 size += sum(2 + len(p.reachers) - p.first for p in pieces)
     size *= num_ranks
