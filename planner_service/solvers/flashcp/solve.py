@@ -61,6 +61,7 @@ from planner_service.core.paths import COMM_MODES
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.balance import declared
+from planner_service.solvers.flashcp.bulk import bulk_applies, bulk_layout
 from planner_service.solvers.flashcp.paper import MAX_PER_DOC, algorithm1
 from planner_service.solvers.flashcp.place import finish, place
 from planner_service.solvers.flashcp.ranks import Ranks, measure, zigzagged
@@ -244,6 +245,14 @@ def flashcp_solve(
     fallback: tuple[float, Ranks] | None = None
     steps = DESCENT_STEPS if len(order) * n <= SEARCH_BUDGET and comm_mode not in (
         "full", "p2p_ring") else 0
+    if bulk_applies(lengths[order], n):
+        ranks = bulk_layout(doc_lengths, order, lengths, n, allowed, total_work)
+        imb = imbalance(ranks.work)
+        if imb <= target:
+            receive, doubled = measure(ranks)
+            return _choose([Found(receive, 0, ranks, False, doubled)], doc_lengths, n, target,
+                           total_work, allowed, steps, comm_mode, cost)
+        fallback = (imb, ranks)
     if n > 1:
         for batch in passes(doc_lengths, order, n, allowed):
             found: list[Found] = []
