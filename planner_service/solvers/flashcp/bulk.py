@@ -115,6 +115,7 @@ def cut(ranks: Ranks, docs: np.ndarray, lengths: np.ndarray,
     if not intervals or total == 0:
         return
     spans = np.array(sorted(intervals), dtype=np.int64)
+    spans = spans[spans[:, 0] < total]  # empty runs at the stream's end
     starts = ends - lengths
     points = np.union1d(starts[lengths > 0], spans[:, 0])
     stops = np.append(points[1:], total)
