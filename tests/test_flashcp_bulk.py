@@ -10,6 +10,7 @@ from planner_service.core.request import PlanRequest
 from planner_service.solvers.flashcp import bulk
 from planner_service.solvers.flashcp.ranks import Ranks
 from planner_service.solvers.flashcp.solve import flashcp_layout
+from planner_service.solvers.registry import solve
 
 
 def _lengths(seed: int, docs: int) -> list[int]:
@@ -54,6 +55,7 @@ def test_bulk_plans_valid_and_meet_or_declare(seed: int, n: int) -> None:
     assert covered == seq
     met = max(work) / (sum(work) / n) <= 1.05
     assert layout.info.get("imbalance_target_met", True) is met
+    solve(request, check=True)  # the plan passes core/validate's checks
 
 
 def test_bulk_not_tried_on_few_docs() -> None:
