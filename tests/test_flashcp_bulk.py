@@ -61,3 +61,4 @@ def test_bulk_plans_valid_and_meet_or_declare(seed: int, n: int) -> None:
 def test_bulk_not_tried_on_few_docs() -> None:
     assert not bulk.bulk_applies(np.full(4000, 5, dtype=np.int64), 8)
     assert not bulk.bulk_applies(np.full(5000, 5, dtype=np.int64), 1024)
+    assert not bulk.bulk_applies(np.full(100000, 20, dtype=np.int64), 8)  # one equal run

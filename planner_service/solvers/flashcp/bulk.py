@@ -52,12 +52,16 @@ imbalance cannot be corrected by the fill (100,000 mixed docs at N = 1,024)."""
 def bulk_applies(lengths_by_length: np.ndarray, n: int) -> bool:
     """The bulk pass is tried: many docs, many per rank, and the short docs (all but the
     ``HEAD_PER_RANK`` x N longest; ``lengths_by_length``: the lengths longest first) at
-    most 1 / ``BULK_ROOM`` of a rank's T tokens (module docstring). O(1)."""
+    most 1 / ``BULK_ROOM`` of a rank's T tokens (module docstring), and not all of one
+    length (``runs.py`` places such a run in blocks, faster than the fill). O(1)."""
     d = len(lengths_by_length)
     if n < 2 or d <= BULK_DOCS or d < BULK_PER_RANK * n or d <= HEAD_PER_RANK * n:
         return False
+    longest_short = int(lengths_by_length[HEAD_PER_RANK * n])
+    if longest_short == int(lengths_by_length[-1]):
+        return False  # one run of equal short docs: the balanced pass places it in blocks
     cap = -(-int(lengths_by_length.sum()) // n)
-    return BULK_ROOM * int(lengths_by_length[HEAD_PER_RANK * n]) <= cap
+    return BULK_ROOM * longest_short <= cap
 
 
 def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float) -> list[tuple[int, int, int]]:
