@@ -62,3 +62,5 @@ def test_bulk_not_tried_on_few_docs() -> None:
     assert not bulk.bulk_applies(np.full(4000, 5, dtype=np.int64), 8)
     assert not bulk.bulk_applies(np.full(5000, 5, dtype=np.int64), 1024)
     assert not bulk.bulk_applies(np.full(100000, 20, dtype=np.int64), 8)  # one equal run
+    two = np.array([21] * 97152 + [20] * 2848, dtype=np.int64)
+    assert not bulk.bulk_applies(two, 1024)
