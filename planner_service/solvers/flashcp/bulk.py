@@ -1,0 +1,180 @@
+"""flashcp's bulk pass for requests with many documents: the longest docs by the balanced
+pass (``place.place``), the many short ones by a two-run fill computed from prefix sums.
+
+Above ``BULK_DOCS`` docs and ``BULK_PER_RANK`` docs per rank, placing every doc through
+the heap costs microseconds a doc (hundreds of milliseconds on 100,000 docs), yet most of
+them are short. The bulk pass places the ``HEAD_PER_RANK`` x N longest docs as the
+balanced pass does, splits its spill for tokens, then fills the rooms with the rest
+(``stream_intervals``): the short docs, longest first, are laid end to end; rank by rank
+(those needing the densest fill first) each takes its room as a run from the front (dense)
+and a run from the back (light), split so its workload comes nearest the mean at or below
+it; the last rank takes the middle. ``cut`` turns the runs into shards: every rank ends
+with exactly T tokens (the last ranks' shortfall aside), at most 2 short docs split per
+rank. It is tried only where the short docs are at most 1 / ``BULK_ROOM`` of a rank's
+tokens (``bulk_applies``). If R is missed, ``refine.exchange`` rebalances as
+``place.finish`` does; the caller falls back to the full passes if it still is.
+
+Complexity, D docs on N ranks: the head O((H + N) log N) for H = HEAD_PER_RANK N, plus
+``place``'s cost for docs that must be split; the fill O(D) prefix sums, O(N log D log T)
+bisections, O(D log D) numpy to cut and O(D + N) Python to append the shards.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from itertools import accumulate, repeat
+
+import numpy as np
+
+from planner_service.core.cost import imbalance
+from planner_service.core.plan import Shard
+from planner_service.solvers.flashcp.paper import split_spill
+from planner_service.solvers.flashcp.place import place
+from planner_service.solvers.flashcp.ranks import Ranks, new_shard
+from planner_service.solvers.flashcp.refine import exchange
+
+BULK_DOCS = 4096
+"""Docs above which the bulk pass is tried (the quality benchmark's sequences hold tens to
+hundreds; ``solve.PAPER_RETRY_DOCS`` draws the same line for the published algorithm)."""
+BULK_PER_RANK = 16
+"""Docs per rank from which the bulk pass is tried: fewer, and each rank's fill is too few
+docs to be a fair sample of the tail."""
+HEAD_PER_RANK = 4
+"""Longest docs per rank placed by the balanced pass before the fill."""
+BULK_ROOM = 48
+"""A rank's T tokens over the longest short doc, at least: each rank's fill is two runs
+of the short docs, cut at doc granularity, so its density misses by about two short docs
+(2 / BULK_ROOM of its tokens, within R = 1.05's slack); with longer short docs the head's
+imbalance cannot be corrected by the fill (100,000 mixed docs at N = 1,024)."""
+
+
+FEW_LENGTHS = 4
+"""Distinct short-doc lengths below which the bulk pass is not tried: the balanced pass
+places each run of equal docs in blocks (``runs.py``), faster than the fill for a few runs
+(100,000 docs of 2M tokens: lengths 20 and 21)."""
+
+
+def bulk_applies(lengths_by_length: np.ndarray, n: int) -> bool:
+    """The bulk pass is tried: many docs, many per rank, and the short docs (all but the
+    ``HEAD_PER_RANK`` x N longest; ``lengths_by_length``: the lengths longest first) at
+    most 1 / ``BULK_ROOM`` of a rank's T tokens (module docstring), and of at least
+    ``FEW_LENGTHS`` lengths. O(D)."""
+    d = len(lengths_by_length)
+    if n < 2 or d <= BULK_DOCS or d < BULK_PER_RANK * n or d <= HEAD_PER_RANK * n:
+        return False
+    short = lengths_by_length[HEAD_PER_RANK * n:]
+    if np.count_nonzero(short[1:] != short[:-1]) < FEW_LENGTHS:
+        return False  # a few runs of equal short docs: the balanced pass places them in blocks
+    longest_short = int(short[0])
+    cap = -(-int(lengths_by_length.sum()) // n)
+    return BULK_ROOM * longest_short <= cap
+
+
+def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float) -> list[tuple[int, int, int]]:
+    """(start, end, rank) token intervals of the ``stream`` (the short docs' lengths,
+    longest first, laid end to end) that fill every rank's room: each rank but the last
+    takes its room as a run from the front (dense) and a run from the back (light) whose
+    split brings its workload nearest ``goal`` at or below it; the last rank takes the
+    middle. A token at doc offset t weighs t + 1, so prefix sums of the stream give any
+    run's exact workload. O(D + N log D log T) in Python (bisections per rank)."""
+    tokens_at = [0, *accumulate(stream)]
+    work_at = [0, *accumulate(length * (length + 1) // 2 for length in stream)]
+
+    def prefix(pos: int) -> int:  # workload of the stream's first pos tokens
+        i = bisect_right(tokens_at, pos) - 1
+        o = pos - tokens_at[i]
+        return work_at[i] + o * (o + 1) // 2
+
+    n, cap = len(ranks.tokens), ranks.capacity
+    front, back = 0, tokens_at[-1]
+    out = []
+    # Ranks needing the densest fill first, while the front is densest.
+    need = [(goal - ranks.work[r]) / max(1, cap - ranks.tokens[r]) for r in range(n)]
+    for i, r in enumerate(sorted(range(n), key=lambda r: (-need[r], r))):
+        room = min(max(0, cap - ranks.tokens[r]), back - front)
+        if i == n - 1 or room == back - front:
+            if back > front:
+                out.append((front, back, r))
+            front = back
+            continue
+        budget = goal - ranks.work[r]
+        front_w, back_w = prefix(front), prefix(back)
+        lo, hi = 0, room  # the most front tokens x whose run pair stays within budget
+        while lo < hi:
+            x = (lo + hi + 1) // 2
+            if prefix(front + x) - front_w + back_w - prefix(back - room + x) <= budget:
+                lo = x
+            else:
+                hi = x - 1
+        if lo:
+            out.append((front, front + lo, r))
+        if room > lo:
+            out.append((back - room + lo, back, r))
+        front, back = front + lo, back - room + lo
+    return out
+
+
+def cut(ranks: Ranks, docs: np.ndarray, lengths: np.ndarray,
+        intervals: Sequence[tuple[int, int, int]]) -> None:
+    """Add to each interval's rank the shards of its stream tokens (``docs`` laid end to
+    end, ``lengths`` theirs; the intervals disjoint, covering the stream). O(D + N) numpy,
+    O(pieces) Python to append the shards."""
+    n = len(ranks.tokens)
+    ends = np.cumsum(lengths, dtype=np.int64)
+    total = int(ends[-1]) if len(ends) else 0
+    if not intervals or total == 0:
+        return
+    spans = np.array(sorted(intervals), dtype=np.int64)
+    spans = spans[spans[:, 0] < total]  # empty runs at the stream's end
+    starts = ends - lengths
+    points = np.union1d(starts[lengths > 0], spans[:, 0])
+    stops = np.append(points[1:], total)
+    piece_doc = np.searchsorted(ends, points, side="right")
+    piece_rank = spans[np.searchsorted(spans[:, 0], points, side="right") - 1, 2]
+    offset = points - starts[piece_doc]
+    size = stops - points
+    by_rank = np.argsort(piece_rank, kind="stable")
+    piece_rank, offset, size, piece_doc = (piece_rank[by_rank], offset[by_rank],
+                                           size[by_rank], piece_doc[by_rank])
+    added_work = np.zeros(n, dtype=np.int64)
+    np.add.at(added_work, piece_rank, (2 * offset + size + 1) * size // 2)
+    added_tokens = np.zeros(n, dtype=np.int64)
+    np.add.at(added_tokens, piece_rank, size)
+    triples = list(map(new_shard, repeat(Shard), zip(docs[piece_doc].tolist(), offset.tolist(),
+                                                    (offset + size).tolist(), strict=True)))
+    edges = np.searchsorted(piece_rank, np.arange(n + 1), side="left").tolist()
+    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    for r, (w, t) in enumerate(zip(added_work.tolist(), added_tokens.tolist(), strict=True)):
+        if edges[r + 1] > edges[r]:
+            shards[r].extend(triples[edges[r]:edges[r + 1]])
+            tokens[r] += t
+            work[r] += w
+
+
+def cut_reference(ranks: Ranks, docs: Sequence[int], lengths: Sequence[int],
+                  intervals: Sequence[tuple[int, int, int]]) -> None:
+    """``cut`` doc by doc and interval by interval, in plain Python."""
+    position = 0
+    for doc, length in zip(docs, lengths, strict=True):
+        for a, b, r in sorted(intervals):
+            lo, hi = max(a, position), min(b, position + length)
+            if lo < hi:
+                ranks.add(r, doc, lo - position, hi - position)
+        position += length
+
+
+def bulk_layout(doc_lengths: Sequence[int], order: list[int], lengths: np.ndarray, n: int,
+                allowed: float, total_work: int) -> Ranks:
+    """The bulk pass's layout (module docstring): ``order`` is longest first, ``lengths``
+    the lengths as int64; the caller checks R."""
+    head = min(len(order), HEAD_PER_RANK * n)
+    ranks, spill = place(doc_lengths, order[:head], n, allowed, False, total_work,
+                         lengths=lengths)
+    split_spill(ranks, spill, tail_largest=False)
+    tail = np.array(order[head:], dtype=np.int64)
+    stream = lengths[tail]
+    cut(ranks, tail, stream, stream_intervals(ranks, stream.tolist(), total_work / n))
+    if imbalance(ranks.work) > allowed * n / sum(ranks.work):
+        exchange(ranks, allowed)
+    return ranks
