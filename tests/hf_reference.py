@@ -73,3 +73,34 @@ def reference_steps(model: Any, ids: torch.Tensor, doc_lengths: Sequence[int], s
         out.append(per_document_reference(model, ids, doc_lengths))
         sgd_step(model, out[-1][1], lr)
     return out
+
+
+def cp_train_steps(model: Any, attn: Any, ids: torch.Tensor, steps: int, lr: float
+                   ) -> list[dict[str, Any]]:
+    """``steps`` training steps of ``model`` (passed to ``enable_cp_attention``) on this
+    rank's share of ``ids`` through the runtime ``attn``, ``sgd_step`` between them: each
+    step's loss and every parameter gradient, all-reduced over the world (the gradients as
+    numpy arrays: tensors would cross process boundaries as shared memory)."""
+    import torch.distributed as dist
+
+    from worker_runtime.hf import prepare_batch, use_cp_attention
+
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        batch = prepare_batch(attn, ids)
+        labels, total = batch.pop("labels")[0], batch.pop("num_items_in_batch")
+        batch.pop("shift_labels")
+        with KeepFloat64(), use_cp_attention(attn):
+            loss = lm_loss(model(**batch).logits, labels, total)
+            loss.backward()
+        total_loss = loss.detach().clone()
+        dist.all_reduce(total_loss)
+        grads = {}
+        for n, p in model.named_parameters():
+            assert p.grad is not None, n
+            dist.all_reduce(p.grad)
+            grads[n] = p.grad.numpy().copy()
+        out.append({"loss": total_loss.item(), "grads": grads})
+        sgd_step(model, grads, lr)
+    return out

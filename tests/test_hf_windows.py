@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_reference import KeepFloat64, lm_loss, reference_steps, sgd_step
+from hf_reference import cp_train_steps, reference_steps
 from timing import scaled
 
 pytestmark = [
@@ -65,11 +65,10 @@ def reference(family: str) -> list[tuple[float, dict[str, torch.Tensor]]]:
 
 
 def worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
-    import torch.distributed as dist
 
     from planner_service.core.plan import Plan
     from worker_runtime import ContextParallelAttention
-    from worker_runtime.hf import enable_cp_attention, prepare_batch, use_cp_attention
+    from worker_runtime.hf import enable_cp_attention
     from worker_runtime.paths.segment_kernels import ReferenceSegments
 
     plan = Plan.from_json(plan_json)
@@ -79,24 +78,7 @@ def worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
             model = enable_cp_attention(tiny(family))
             attn = ContextParallelAttention(plan, comm_mode="p2p_ring" if path == "ring" else "alltoallv",
                                             segment_kernel=ReferenceSegments() if path == "segments" else None)
-            steps = []
-            for _ in range(STEPS):
-                model.zero_grad(set_to_none=True)
-                batch = prepare_batch(attn, input_ids())
-                labels, total = batch.pop("labels")[0], batch.pop("num_items_in_batch")
-                batch.pop("shift_labels")
-                with KeepFloat64(), use_cp_attention(attn):
-                    loss = lm_loss(model(**batch).logits, labels, total)
-                    loss.backward()
-                total_loss = loss.detach().clone()
-                dist.all_reduce(total_loss)
-                grads = {}
-                for n, p in model.named_parameters():
-                    assert p.grad is not None, n
-                    dist.all_reduce(p.grad)
-                    grads[n] = p.grad.numpy().copy()  # numpy: tensors would cross as shared memory
-                steps.append({"loss": total_loss.item(), "grads": grads})
-                sgd_step(model, grads, LR)
+            steps = cp_train_steps(model, attn, input_ids(), STEPS, LR)
             results[(family, path)] = steps
     return results
 
