@@ -159,7 +159,15 @@ def workload_cap(doc_lengths: Sequence[int], num_ranks: int, target: float) -> i
     longest doc at least L.
     """
     total = sum(doc_workload(length) for length in doc_lengths)
-    floor = max(-(-total // num_ranks), max(doc_lengths))
+    return largest_within(total, max(-(-total // num_ranks), max(doc_lengths)), num_ranks,
+                          target, "these docs", "query-key pairs")
+
+
+def largest_within(total: int, floor: int, num_ranks: int, target: float, what: str,
+                   pairs: str) -> int:
+    """The largest integer w with ``w N / total <= R`` in ``cost.imbalance``'s float
+    arithmetic; FieldError (``imbalance_target``) if it is below ``floor``, the least
+    workload some rank must carry (``what`` and ``pairs`` name the docs and the unit)."""
     cap = int(target * total / num_ranks)
     while cap * num_ranks / total > target:
         cap -= 1
@@ -168,8 +176,8 @@ def workload_cap(doc_lengths: Sequence[int], num_ranks: int, target: float) -> i
     if cap < floor:
         raise FieldError(
             "imbalance_target",
-            f"imbalance_target {target} is below what integer tokens allow for these docs: the "
-            f"busiest rank carries at least {floor} query-key pairs, imbalance "
+            f"imbalance_target {target} is below what integer tokens allow for {what}: the "
+            f"busiest rank carries at least {floor} {pairs}, imbalance "
             f"{floor * num_ranks / total:.6f}; raise imbalance_target"
         )
     return cap

@@ -57,6 +57,7 @@ from planner_service.solvers.ilp.strategy import (
     IlpOptions,
     IlpResult,
     head_docs,
+    largest_within,
     parse_options,
     result_layout,
 )
@@ -86,19 +87,8 @@ def weighted_cap(doc_lengths: Sequence[int], num_ranks: int, target: float,
     longest = max(doc_lengths)
     last = sum(g.layers * (longest if g.window is None else min(longest, g.window))
                for g in mask.groups)
-    floor = max(-(-total // num_ranks), last)
-    cap = int(target * total / num_ranks)
-    while cap * num_ranks / total > target:
-        cap -= 1
-    while (cap + 1) * num_ranks / total <= target:
-        cap += 1
-    if cap < floor:
-        raise FieldError(
-            "imbalance_target",
-            f"imbalance_target {target} is below what integer tokens allow for these docs under "
-            f"the mask: the busiest rank carries at least {floor} layer-weighted pairs, "
-            f"imbalance {floor * num_ranks / total:.6f}; raise imbalance_target")
-    return cap
+    return largest_within(total, max(-(-total // num_ranks), last), num_ranks, target,
+                          "these docs under the mask", "layer-weighted pairs")
 
 
 MAX_WINDOW_SIZE = 4 * MAX_MODEL_BOOLS
