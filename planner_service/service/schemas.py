@@ -147,6 +147,15 @@ class ModelSpecIn(BaseModel):
     ffn_hidden_size: StrictInt | None = Field(None, ge=1, le=MAX_DIM)
 
 
+WindowIn = Annotated[StrictInt | None, Field(
+    description="The model's attention: a sliding window of this many keys in every layer "
+    "(null or absent: causal). Exclusive with layers (docs/windows.md)")]
+LayersIn = Annotated[list[dict[str, Any]] | None, Field(
+    max_length=64, description='Or a mix: [{"window": 1024, "count": 5}, '
+    '{"window": null, "count": 1}] (docs/windows.md)')]
+"""The mask fields of the plan and schedule bodies (``core.mask.parse_mask`` reads them)."""
+
+
 class PlanRequestIn(BaseModel):
     """One packed sequence to shard over ``cp_size`` ranks (docs/plan.md, Requests)."""
 
@@ -170,12 +179,8 @@ class PlanRequestIn(BaseModel):
         None, ge=1, le=MAX_TOKENS, description="Bound on every rank's KV peak "
         "(rank_stats.kv_tokens_peak); a strategy meets it or answers 422 naming the smallest "
         "bound it can meet. Default: no bound")
-    window: StrictInt | None = Field(
-        None, description="The model's attention: a sliding window of this many keys in every "
-        "layer (null or absent: causal). Exclusive with layers (docs/windows.md)")
-    layers: list[dict[str, Any]] | None = Field(
-        None, max_length=64, description='Or a mix: [{"window": 1024, "count": 5}, '
-        '{"window": null, "count": 1}] (docs/windows.md)')
+    window: WindowIn = None
+    layers: LayersIn = None
 
 
 class CompareRequestIn(PlanRequestIn):
@@ -211,12 +216,8 @@ class ScheduleRequestIn(BaseModel):
     kernel: StrictStr | None = Field(None, max_length=64)
     link: StrictStr | None = Field(None, max_length=64)
     imbalance_target: float | None = Field(None, ge=1.0, le=100.0, allow_inf_nan=False)
-    window: StrictInt | None = Field(
-        None, description="The model's attention: a sliding window of this many keys in every "
-        "layer (null or absent: causal). Exclusive with layers (docs/windows.md)")
-    layers: list[dict[str, Any]] | None = Field(
-        None, max_length=64, description='Or a mix: [{"window": 1024, "count": 5}, '
-        '{"window": null, "count": 1}] (docs/windows.md)')
+    window: WindowIn = None
+    layers: LayersIn = None
 
 
 def schedule_body(body: ScheduleRequestIn) -> dict[str, Any]:
