@@ -6,8 +6,9 @@ figures are those of the whole model (core/window_work.py ``mask_figures_of``):
 ``imbalance``, ``max_workload`` and ``mean_workload`` of the layer-weighted work
 ``sum_g count_g work_g``; ``comm_tokens``, ``full_comm_tokens``, ``alltoallv_tokens``,
 ``compact_allgather_tokens`` and ``comm_bytes`` summed over the layers (each layer's
-exchange is its own collective: ``sum_g count_g max_i recv_g[i]``), the savings their
-ratios; ``rank_stats.workload``, ``alltoallv_recv`` and ``allgather_send`` the
+exchange is its own collective: ``sum_g count_g max_i recv_g[i]``; ``p2p_ring`` in a window's layers
+``steps_run`` blocks, the steps the runtime's rings run, ``window_work.RingSchedule``),
+the savings their ratios; ``rank_stats.workload``, ``alltoallv_recv`` and ``allgather_send`` the
 layer-weighted sums per rank, ``kv_tokens_peak`` the largest over the windows. A
 ``layers`` list holds the figures of one layer of each window (``LayerMetrics``,
 ``RankLayerStats``). The step-time estimates (``est_*``) stay per layer: the
@@ -177,8 +178,10 @@ def masked_metrics(
     if arrays is None:
         arrays = int_arrays(shards_per_rank)
     tokens_per_rank = metrics.tokens_per_rank
+    # The runtime's rings (and a ring plan's gathered form on flash kernels) stop after
+    # the window's last useful step: steps_run blocks, not N - 1.
     figures = ww.mask_figures_of(arrays, mask, comm_mode=comm_mode,
-                                 tokens_per_rank=tokens_per_rank)
+                                 tokens_per_rank=tokens_per_rank, skip_ring_steps=True)
     n = len(shards_per_rank)
     held = held_kv_mode(kernel, comm_mode)
     layers, rank_layers = [], []

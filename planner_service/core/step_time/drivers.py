@@ -215,7 +215,8 @@ def plan_rank_terms(
     """Per grouped rank of ``plan``, the terms of :func:`rank_step` under any profiles
     (``plan.metrics`` holds them under the plan's named profiles). ``comm_mode`` defaults
     to the plan's; ``flash_path`` is the runtime's by default. ``window``: one layer of that
-    window, each rank receiving the window's exchange (core/window_work.py). O(shards +
+    window, each rank receiving the window's exchange (core/window_work.py; ``p2p_ring``:
+    the ring's ``steps_run`` blocks). O(shards +
     tiles) per rank (ring: per rank and step)."""
     check_window(kernel, window)
     mode = comm_mode or plan.comm_mode
@@ -231,8 +232,10 @@ def plan_rank_terms(
             recv = recv_tokens_by_mode(mode, comm_volumes(group.shards), tokens_per_rank)
         else:
             from planner_service.core import window_work  # imports step_time.runs: not at the top
-            volumes = window_work.window_comm_volumes_of(shard_arrays(group.shards), window)
-            recv = list(window_work.recv_tokens(mode, volumes, tokens_per_rank))
+            arrays = shard_arrays(group.shards)
+            volumes = window_work.window_comm_volumes_of(arrays, window)
+            ring = window_work.ring_schedule_of(arrays, window) if mode == "p2p_ring" else None
+            recv = list(window_work.recv_tokens(mode, volumes, tokens_per_rank, ring))
         for slot, (rank, shards, r) in enumerate(zip(group.ranks, group.shards, recv, strict=True)):
             blocks = [group.shards[(slot - s) % n] for s in range(1, n)]
             t = rank_terms(shards, recv_tokens=r, tokens_per_rank=tokens_per_rank, num_ranks=n,
