@@ -29,6 +29,8 @@ from runtime_cases import (
 from planner_service.core import cost
 from planner_service.core import window_work as ww
 from planner_service.core.halo_map import halo_transfers_of
+from planner_service.core.mask import AttentionMask
+from planner_service.core.metrics import group_metrics
 from planner_service.core.paths import ExecutionPath
 from planner_service.core.plan import Plan
 from worker_runtime import ContextParallelAttention, build_layout, reference_attention
@@ -329,13 +331,29 @@ def world_cases(world_size: int) -> list[WorldCase]:
     return cases
 
 
+def plan_ring_tokens(plan: Plan, group: int, window: int) -> int:
+    """The KV tokens per rank of one ``window`` layer of ``plan``'s group run as
+    ``p2p_ring``, as a plan made for that mask reports them (``metrics.group_metrics``)."""
+    g = plan.groups[group]
+    m, _ = group_metrics(g.shards, g.padding, comm_mode="p2p_ring", model=plan.model,
+                         kernel=plan.kernel, link=plan.link, mask=AttentionMask.uniform(window, 1))
+    assert m.layers is not None
+    return m.layers[0].comm_tokens
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 5, 8])
 def test_windowed_worlds(world_size: int) -> None:
     cases = world_cases(world_size)
     results = run_distributed(world_worker, world_size, cases, case_references(cases), timeout_s=300)
+    plans = [Plan.from_json(case.plan_json) for case in cases]
     for rank, res in enumerate(results):
         for key, entry in res.items():
             assert max(entry["errors"]) < TOL, (rank, key, entry["errors"])
+            ci, mode, _, window = key
+            gi = next((i for i, g in enumerate(plans[ci].groups) if rank in g.ranks), -1)
+            if mode == "p2p_ring" and window is not None and gi >= 0:
+                # Every kernel's ring form moves what the plan's window layer says.
+                assert entry["tokens"] == plan_ring_tokens(plans[ci], gi, window), (rank, key)
             if "want_tokens" in entry:
                 assert entry["tokens"] == entry["want_tokens"], (rank, key)
             if entry.get("want_backward") is not None:

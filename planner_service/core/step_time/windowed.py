@@ -13,7 +13,8 @@ exposed) with the windowed call's tiles (core/window_tiles.py ``window_tiles_of`
 aligned at the span's first key) and the span's key rows in place of the causal ones;
 ``recv`` is the caller's: the window's own exchange (core/window_work.py; ``p2p_ring``:
 ``steps_run`` blocks, ``recv_tokens`` with the ring schedule). A window at
-least every position gives the gathered path's causal terms exactly on every mode.
+least every position gives the gathered path's causal terms exactly on every mode, given
+the same ``recv`` (a ring's ``steps_run`` may be below the causal N - 1).
 O(shards + tiles) per rank and for a group.
 """
 
