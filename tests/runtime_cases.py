@@ -324,3 +324,26 @@ def rank_path_state(plan: Plan, rank: int, path: str, mode: str | None = None,
     (``mode``: the exchange, default the plan's)."""
     ctx = standalone_context(build_layout(plan, rank), mode or plan.comm_mode, torch.device("cpu"), kernel)
     return PATHS[ExecutionPath(path)].build(ctx)
+
+
+class NoPositionSegments:
+    """The exact reference segment kernel without ``positional_meta``: what a flash kernel
+    (flash-attn, PyTorch's flash ops) offers, so windowed segments and segment-ring calls
+    take their gathered form, exactly in float64 (the aten stand-in's float32 log-sum-exp
+    limits its gradients to about 1e-7)."""
+
+    name = "reference-no-positions"
+
+    def __init__(self) -> None:
+        from worker_runtime.paths.segment_kernels import ReferenceSegments
+
+        self.inner = ReferenceSegments()
+
+    def meta(self, cu_q, cu_k, causal, device, window=None):
+        return self.inner.meta(cu_q, cu_k, causal, device, window=window)
+
+    def forward(self, q, k, v, meta, scale):
+        return self.inner.forward(q, k, v, meta, scale)
+
+    def backward(self, dout, q, k, v, out, lse, meta, scale):
+        return self.inner.backward(dout, q, k, v, out, lse, meta, scale)

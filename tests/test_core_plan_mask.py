@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from planner_service.core import cost
@@ -67,7 +68,7 @@ def test_masked_metrics_are_the_layer_weighted_window_figures(comm_mode: str) ->
     assert arrays is not None
     tokens_per_rank = plan.metrics.tokens_per_rank
     figures = ww.mask_figures_of(arrays, mask, comm_mode=comm_mode,
-                                 tokens_per_rank=tokens_per_rank)
+                                 tokens_per_rank=tokens_per_rank, skip_ring_steps=True)
     m, stats = plan.metrics, group.rank_stats
     assert m.imbalance == pytest.approx(figures.imbalance, rel=1e-12)
     assert m.max_workload == max(figures.workload)
@@ -90,6 +91,33 @@ def test_masked_metrics_are_the_layer_weighted_window_figures(comm_mode: str) ->
     causal = solve(debug_request(comm_mode=comm_mode, **small))
     assert m.layers[-1].max_workload == causal.metrics.max_workload
     assert m.layers[-1].alltoallv_tokens == causal.metrics.alltoallv_tokens
+
+
+@pytest.mark.parametrize("cp_size", [2, 3, 5])
+def test_a_ring_plans_window_layers_count_the_steps_the_runtime_runs(cp_size: int) -> None:
+    """p2p_ring under windows 1, 7, 128 and one at least every doc: each window layer's
+    figures are ``steps_run`` blocks of tokens per rank, ``steps_run`` the last step some
+    rank's windows reach (the key-set reference ``reference_ring_useful``), what the
+    runtime's rings and a ring plan's gathered form move; the causal layer runs N - 1; the
+    validator recomputes them."""
+    lengths = (411, 37, 1023, 91, 1, 511, 207)
+    mask = parse_mask(layers="2x1,1x7,3x128,1x2000,1xfull")
+    for strategy in ("contiguous_halo", "flashcp", "per_doc"):
+        plan = solve(debug_request(mask=mask, comm_mode="p2p_ring", doc_lengths=lengths,
+                                   context_length=None, strategy=strategy, cp_size=cp_size))
+        validate_plan(plan)
+        group = plan.groups[0]
+        t = plan.metrics.tokens_per_rank
+        assert plan.metrics.layers is not None
+        total = 0
+        for layer, g in zip(plan.metrics.layers, mask.groups, strict=True):
+            useful = ww.reference_ring_useful(group.shards, g.window)
+            steps = np.flatnonzero(useful.any(axis=0))
+            run = cp_size - 1 if g.window is None else int(steps[-1]) if len(steps) else 0
+            assert layer.comm_tokens == run * t, (strategy, g.window)
+            total += g.layers * run * t
+        assert plan.metrics.comm_tokens == total
+        assert plan.metrics.comm_bytes == total * plan.model.kv_bytes_per_token
 
 
 def test_a_window_no_doc_fills_gives_the_causal_figures_per_layer() -> None:

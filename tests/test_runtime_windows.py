@@ -17,15 +17,26 @@ import numpy as np
 import pytest
 import torch
 from aten_flash_standin import variant
-from runtime_cases import MULTI_GROUPS, max_abs, multi_group_plan, random_plan, solve_any
+from runtime_cases import (
+    MULTI_GROUPS,
+    NoPositionSegments,
+    max_abs,
+    multi_group_plan,
+    random_plan,
+    solve_any,
+)
 
 from planner_service.core import cost
 from planner_service.core import window_work as ww
 from planner_service.core.halo_map import halo_transfers_of
+from planner_service.core.mask import AttentionMask
+from planner_service.core.metrics import group_metrics
+from planner_service.core.paths import ExecutionPath
 from planner_service.core.plan import Plan
 from worker_runtime import ContextParallelAttention, build_layout, reference_attention
 from worker_runtime.aten_flash import AtenSegments
 from worker_runtime.kernels import build_masked_meta, build_meta, varlen_attention
+from worker_runtime.paths import windowed_path
 from worker_runtime.paths.segment_kernels import ReferenceSegments
 from worker_runtime.reference import document_mask
 from worker_runtime.testing import run_distributed
@@ -35,6 +46,8 @@ TOL = 1e-10
 HEADS, KV_HEADS, DIM = 4, 2, 8
 WINDOWS = (1, 7, 128)
 BIG_WINDOW = 4096
+FULL_WINDOW = 1 << 20
+"""A window at least every document of the world cases."""
 
 
 def blocked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
@@ -193,9 +206,18 @@ def test_window_maps_match_the_planner(seed: int) -> None:
 # -- worlds ---------------------------------------------------------------------------------
 
 RUNS = (("full", None), ("compact_allgather", None), ("alltoallv", None), ("p2p_ring", None),
-        ("compact_allgather", "reference"), ("alltoallv", "reference"), ("p2p_ring", "reference"))
+        ("compact_allgather", "reference"), ("alltoallv", "reference"), ("p2p_ring", "reference"),
+        ("p2p_ring", "flash"))
 """(comm mode, segment kernel): the torch kernel's lean path and ring, the segments path and
-the segment ring on the exact reference segment kernel."""
+the segment ring on the exact reference segment kernel, the segment ring's gathered form on
+a flash-like kernel (the reference without positional masks)."""
+
+
+def segment_kernel(name: str | None):
+    """The run's segment kernel: None (the torch kernel), the reference or a flash-like one."""
+    if name is None:
+        return None
+    return ReferenceSegments() if name == "reference" else NoPositionSegments()
 
 
 def _run(attn: ContextParallelAttention, glob: tuple[torch.Tensor, ...], window: int | None,
@@ -250,7 +272,9 @@ def world_worker(rank: int, world_size: int, cases: list[WorldCase], refs: dict)
         for window in windows:
             ref, *ref_grads = (torch.from_numpy(x) for x in refs[(ci, window)])
             for mode, seg in runs:
-                kernel = ReferenceSegments() if seg else None
+                kernel = segment_kernel(seg)
+                if seg == "flash" and window is not None:
+                    assert windowed_path(ExecutionPath.SEGMENT_RING, kernel) == ExecutionPath.GATHERED
                 attn = ContextParallelAttention(plan, comm_mode=mode, segment_kernel=kernel)
                 out, grads, nbytes = _run(attn, glob, window)
                 errors = [max_abs(out - attn.dispatch(ref))]
@@ -262,15 +286,20 @@ def world_worker(rank: int, world_size: int, cases: list[WorldCase], refs: dict)
                     volumes, ring = window_expectations(plan, window, attn.layout.group_index)
                     slot, t = attn.layout.slot, attn.num_tokens
                     # The segments path and segment ring run natively on the reference
-                    # kernel: the halo maps' bytes, the ring's steps_run steps.
+                    # kernel: the halo maps' bytes, the ring's steps_run steps; the segment
+                    # ring's gathered form on a flash kernel the blocks of those steps.
                     entry["want_tokens"] = ww.recv_tokens(mode, volumes, t, ring)[slot]
-                    entry["want_backward"] = 2 * nbytes[0] if mode == "p2p_ring" else None
+                    ringed = mode == "p2p_ring" and seg != "flash"
+                    entry["want_backward"] = (2 * nbytes[0] if ringed else
+                                              nbytes[0] if seg == "flash" else None)
                 if window is not None and attn.layout.group_index >= 0:
                     # KV held at once: own rows and the distinct halo (gather modes; the
                     # segments path keeps only its halo gaps of a compact all-gather); own
                     # rows and up to two blocks of a ring that runs steps_run steps.
                     own = attn.layout.num_real
-                    if mode == "p2p_ring":
+                    if mode == "p2p_ring" and seg == "flash":
+                        pass  # the gathered form's one call: its keys, not a held count
+                    elif mode == "p2p_ring":
                         entry["want_peak"] = own + t * min(ring.steps_run, 2)
                     elif mode != "full":
                         entry["want_peak"] = own + volumes.alltoallv_recv[slot]
@@ -288,8 +317,10 @@ def world_cases(world_size: int) -> list[WorldCase]:
     rng.shuffle(lengths)
     # Fewer plans on the larger worlds: each world spawns its ranks on a shared machine.
     names = {2: ("flashcp", "contiguous_halo"), 3: ("flashcp",), 5: ("contiguous_halo",)}
-    cases = [WorldCase(solve_any(lengths, world_size, name).to_json(), [*WINDOWS, None], RUNS)
-             for name in names.get(world_size, ("flashcp",))]
+    # The first plan also under a window at least every document (the causal figures).
+    cases = [WorldCase(solve_any(lengths, world_size, name).to_json(),
+                       [*WINDOWS, *([FULL_WINDOW] if i == 0 else []), None], RUNS)
+             for i, name in enumerate(names.get(world_size, ("flashcp",)))]
     cases.append(WorldCase(random_plan(world_size, world_size).to_json(), [1, 2, 7], RUNS))
     if world_size == 3:  # two groups, one with its ranks out of order, as FCP plans them
         grouped = multi_group_plan(lengths, MULTI_GROUPS[3], 3).to_json()
@@ -300,13 +331,29 @@ def world_cases(world_size: int) -> list[WorldCase]:
     return cases
 
 
+def plan_ring_tokens(plan: Plan, group: int, window: int) -> int:
+    """The KV tokens per rank of one ``window`` layer of ``plan``'s group run as
+    ``p2p_ring``, as a plan made for that mask reports them (``metrics.group_metrics``)."""
+    g = plan.groups[group]
+    m, _ = group_metrics(g.shards, g.padding, comm_mode="p2p_ring", model=plan.model,
+                         kernel=plan.kernel, link=plan.link, mask=AttentionMask.uniform(window, 1))
+    assert m.layers is not None
+    return m.layers[0].comm_tokens
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 5, 8])
 def test_windowed_worlds(world_size: int) -> None:
     cases = world_cases(world_size)
     results = run_distributed(world_worker, world_size, cases, case_references(cases), timeout_s=300)
+    plans = [Plan.from_json(case.plan_json) for case in cases]
     for rank, res in enumerate(results):
         for key, entry in res.items():
             assert max(entry["errors"]) < TOL, (rank, key, entry["errors"])
+            ci, mode, _, window = key
+            gi = next((i for i, g in enumerate(plans[ci].groups) if rank in g.ranks), -1)
+            if mode == "p2p_ring" and window is not None and gi >= 0:
+                # Every kernel's ring form moves what the plan's window layer says.
+                assert entry["tokens"] == plan_ring_tokens(plans[ci], gi, window), (rank, key)
             if "want_tokens" in entry:
                 assert entry["tokens"] == entry["want_tokens"], (rank, key)
             if entry.get("want_backward") is not None:

@@ -42,7 +42,11 @@ def random_group(rng: random.Random, n: int) -> list[list[Shard]]:
 
 
 def window_recv(shards: list[list[Shard]], window: int | None, mode: str, tpr: int) -> tuple[int, ...]:
-    return ww.recv_tokens(mode, ww.window_comm_volumes_of(cost.shard_arrays(shards), window), tpr)
+    """The window's receive; ``p2p_ring``: the ring's ``steps_run`` blocks, what the runtime's
+    gathered form of a ring plan moves under a window."""
+    arrays = cost.shard_arrays(shards)
+    ring = ww.ring_schedule_of(arrays, window) if mode == "p2p_ring" and window else None
+    return ww.recv_tokens(mode, ww.window_comm_volumes_of(arrays, window), tpr, ring)
 
 
 def case(seed: int) -> tuple[list[list[Shard]], int, int]:
@@ -64,7 +68,8 @@ def test_windowed_terms_against_tiles_pair_by_pair_and_the_gathered_call_written
         group = group_steps(arrays, recv_tokens=np.asarray(recv), tokens_per_rank=tpr, num_ranks=n,
                             comm_mode=mode, model=MODEL, kernel=KERNEL, link=LINK, window=window)
         for i, rank in enumerate(shards):
-            halo = mode in ("alltoallv", "compact_allgather")
+            # A ring plan's gathered form reads each window span from the ring's blocks.
+            halo = mode in ("alltoallv", "compact_allgather", "p2p_ring")
             tiles = sum(reference_window_tiles(s.start, s.end - s.start, window, 16, 8, halo=halo)
                         for s in rank)
             keys = sum(s.end - (max(0, s.start - window + 1) if halo else 0) for s in rank)
@@ -88,7 +93,11 @@ def test_a_window_covering_every_position_gives_the_gathered_paths_causal_figure
     for seed in range(8):
         shards, n, tpr = case(seed)
         recv = window_recv(shards, None, mode, tpr)
-        assert window_recv(shards, 121, mode, tpr) == recv
+        if mode == "p2p_ring":
+            # The ring still stops after its last useful step (causal layers run N - 1).
+            assert all(a <= b for a, b in zip(window_recv(shards, 121, mode, tpr), recv, strict=True))
+        else:
+            assert window_recv(shards, 121, mode, tpr) == recv
         for i, rank in enumerate(shards):
             kw = dict(recv_tokens=recv[i], tokens_per_rank=tpr, num_ranks=n, comm_mode=mode,
                       model=MODEL, kernel=KERNEL, link=LINK)
@@ -117,12 +126,14 @@ def test_window_one_computes_one_tile_per_query_tile_and_time_is_monotone_in_w()
                     last[i] = total
 
 
-def test_the_torch_kernel_and_a_bad_window_are_refused_naming_window() -> None:
+def test_the_torch_kernels_ring_and_a_bad_window_are_refused_naming_window() -> None:
     rank = [Shard(0, 0, 10)]
     kw = dict(recv_tokens=0, tokens_per_rank=10, num_ranks=1, comm_mode="alltoallv", model=MODEL,
               link=LINK)
     with pytest.raises(ValueError, match="^window: .*cpu-torch"):
-        rank_step(rank, kernel=get_kernel_profile("cpu-torch"), window=4, **kw)
+        rank_step(rank, kernel=get_kernel_profile("cpu-torch"), window=4,
+                  **{**kw, "comm_mode": "p2p_ring"})
+    rank_step(rank, kernel=get_kernel_profile("cpu-torch"), window=4, **kw)  # the lean path
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="^window must be"):
             rank_step(rank, kernel=KERNEL, window=bad, **kw)

@@ -298,7 +298,7 @@ class ContextParallelAttention:
         if key not in dev.paths:
             ctx = PathContext(self.layout, self.comm_map, self.gather_mode, self.process_group,
                               self.order, self.counter, device, dev.exchanger, kernel, window,
-                              dev.shared)
+                              dev.shared, ring=self.comm_mode == "p2p_ring")
             dev.paths[key] = PATHS[key[0]].build(ctx)
         return dev.paths[key]
 

@@ -17,7 +17,9 @@ the runtime reads only the plan). From them, per window:
   which is the window's ``allgather_send``.
 - ``full``: the causal map (every local buffer moves whatever the window).
 - ``p2p_ring``: step k is useful to slot i when slot ``i - k`` is a sender of i; the ring
-  runs the steps up to the group's last useful one (``window_work.RingSchedule``).
+  runs the steps up to the group's last useful one (``window_work.RingSchedule``); its
+  gathered form (flash kernels) receives the blocks of those steps' senders in one
+  all-to-all (``build_ring_window_map``).
 
 The maps' ``remote_*`` arrays are the distinct halo keys, sorted by (doc, position), which
 is what the lean path reads; their ``kv_index`` is empty (the gathered form reads the
@@ -170,6 +172,45 @@ def ring_steps(layout: RankLayout, window: int) -> tuple[np.ndarray, int]:
     useful[tr.receiver, (tr.receiver - tr.sender) % n] = True
     steps = np.flatnonzero(useful.any(axis=0))
     return useful, int(steps[-1]) if len(steps) else 0
+
+
+def build_ring_window_map(layout: RankLayout, window: int,
+                          order: Sequence[int] | None = None) -> CommMap:
+    """The gathered form's exchange of a ``p2p_ring`` plan's ``window`` layer: one
+    all-to-all in which slot i receives the whole local buffers (padding included, the
+    ring's blocks) of slots ``i - 1 .. i - S`` and sends its own to ``i + 1 .. i + S``,
+    S the ring's ``steps_run`` (:func:`ring_steps`): the ring's bytes, ``S`` x tokens per
+    rank, in one collective. Every key inside a window of slot i is held by a slot at
+    ring distance at most S, so the gathered call (``window_gather``) finds all of them.
+    ``remote_*``: every real row received, by sender in collective order; backward
+    returns each copy's dK/dV, summed into the local rows (``send_index`` repeats the
+    buffer once per receiver). O(s + S T) for s shards, T rows per rank."""
+    empty = np.zeros(0, dtype=np.int64)
+    a = layout.arrays
+    if a is None:
+        return CommMap("p2p_ring", "none", empty, 0, (), (), 0, empty, empty, empty, empty)
+    n, i, t = a.num_ranks, layout.slot, layout.num_tokens
+    coll = np.argsort(np.argsort(a.ranks)) if order is None else np.asarray(order, dtype=np.int64)
+    _, steps = ring_steps(layout, window)
+    dist_ = np.arange(1, steps + 1, dtype=np.int64)
+    senders, receivers = (i - dist_) % n, (i + dist_) % n
+    recv_splits = np.zeros(n, dtype=np.int64)
+    recv_splits[coll[senders]] = t
+    send_splits = np.zeros(n, dtype=np.int64)
+    send_splits[coll[receivers]] = t
+    # Each sender's block sits at t x (its rank among the senders in collective order).
+    block = np.full(n, -1, dtype=np.int64)
+    by_coll = senders[np.argsort(coll[senders])]
+    block[by_coll] = np.arange(len(by_coll), dtype=np.int64) * t
+    held = np.flatnonzero((block[a.slot] >= 0) & (a.end > a.start))
+    length = a.end[held] - a.start[held]
+    remote_index = expand_ranges(block[a.slot[held]] + a.local_start[held], length)
+    remote_doc = np.repeat(a.doc[held], length)
+    remote_pos = expand_ranges(a.start[held], length)
+    send_index = np.tile(np.arange(t, dtype=np.int64), steps)
+    return CommMap("p2p_ring", "all_to_all" if steps and t else "none", send_index, 0,
+                   tuple(int(x) for x in send_splits), tuple(int(x) for x in recv_splits),
+                   steps * t, empty, remote_index, remote_doc, remote_pos)
 
 
 class WindowGather(NamedTuple):

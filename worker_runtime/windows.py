@@ -23,9 +23,10 @@ of each window and cached by W on the runtime's per-device state:
 - the gathered form (a segment kernel's or flash-attn's one causal windowed varlen call):
   the gathered path, and the segments path and segment ring on flash kernels (their full
   calls on remote gaps have per-document alignments one flash call cannot window; the
-  gathered call can). On the halo maps each shard reads its window span ``[max(0, s - W +
-  1), e)`` (``window_map.window_gather``); on ``full`` (a ring plan's bytes) its keys
-  ``[0, e)`` from the causal map.
+  gathered call can). On the halo maps and a ``p2p_ring`` plan's ring blocks (the
+  senders of the ring's steps 1 .. ``steps_run`` in one all-to-all, the ring's bytes) each
+  shard reads its window span ``[max(0, s - W + 1), e)`` (``window_map.window_gather``);
+  on ``full`` its keys ``[0, e)`` from the causal map.
 
 Which path runs a windowed call is ``worker_runtime.paths.windowed_path``: the table's
 ``RuntimePath.windowed`` (the lean path and the ring themselves, the others the gathered
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from worker_runtime.comm import Exchanger
-from worker_runtime.window_map import build_window_comm_map
+from worker_runtime.window_map import build_ring_window_map, build_window_comm_map
 
 if TYPE_CHECKING:
     from worker_runtime.paths.base import PathContext
@@ -50,9 +51,10 @@ HALO_MODES = ("alltoallv", "compact_allgather")
 
 def window_exchanger(ctx: PathContext) -> Exchanger:
     """The exchange of ``ctx``'s window layer: the halo map of ``alltoallv`` or
-    ``compact_allgather`` (``window_map.py``), the causal one for ``full``; built once per
-    window on the device (shared by the lean path and the gathered form)."""
-    if ctx.gather_mode not in HALO_MODES:
+    ``compact_allgather`` (``window_map.py``), a ``p2p_ring`` plan's ring blocks of steps
+    1 .. ``steps_run`` (``window_map.build_ring_window_map``), the causal one for ``full``;
+    built once per window on the device (shared by the lean path and the gathered form)."""
+    if ctx.gather_mode not in HALO_MODES and not ctx.ring:
         assert ctx.exchanger is not None
         return ctx.exchanger
 
@@ -60,8 +62,12 @@ def window_exchanger(ctx: PathContext) -> Exchanger:
     assert window is not None, "a window layer's exchange"
 
     def build() -> Exchanger:
-        comm = build_window_comm_map(ctx.layout, ctx.gather_mode, window, ctx.order)
+        if ctx.ring:
+            comm = build_ring_window_map(ctx.layout, window, ctx.order)
+        else:
+            comm = build_window_comm_map(ctx.layout, ctx.gather_mode, window, ctx.order)
         position = dist.get_rank(ctx.group) if ctx.group is not None else 0
         return Exchanger.create(comm, ctx.group, position, ctx.counter, ctx.device)
 
-    return ctx.cached(("exchange", window), build)  # type: ignore[no-any-return]
+    key = ("ring exchange" if ctx.ring else "exchange", window)
+    return ctx.cached(key, build)  # type: ignore[no-any-return]

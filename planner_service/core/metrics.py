@@ -6,16 +6,17 @@ figures are those of the whole model (core/window_work.py ``mask_figures_of``):
 ``imbalance``, ``max_workload`` and ``mean_workload`` of the layer-weighted work
 ``sum_g count_g work_g``; ``comm_tokens``, ``full_comm_tokens``, ``alltoallv_tokens``,
 ``compact_allgather_tokens`` and ``comm_bytes`` summed over the layers (each layer's
-exchange is its own collective: ``sum_g count_g max_i recv_g[i]``), the savings their
-ratios; ``rank_stats.workload``, ``alltoallv_recv`` and ``allgather_send`` the
+exchange is its own collective: ``sum_g count_g max_i recv_g[i]``; ``p2p_ring`` in a window's layers
+``steps_run`` blocks, the steps the runtime's rings run, ``window_work.RingSchedule``),
+the savings their ratios; ``rank_stats.workload``, ``alltoallv_recv`` and ``allgather_send`` the
 layer-weighted sums per rank, ``kv_tokens_peak`` the largest over the windows. A
 ``layers`` list holds the figures of one layer of each window (``LayerMetrics``,
 ``RankLayerStats``). The step-time estimates (``est_*``) stay per layer: the
 layer-weighted mean ``sum_g (count_g / L) est_g`` over the mask's groups, ``est_g`` the
 figures of the slowest rank of one layer of window g (step_time ``group_steps`` with
 ``window``, each rank receiving that window's exchange), so L times ``est_step_ms`` is
-the model's time over all L layers. On the PyTorch kernel (``packed`` tiling: the lean
-path and ring, whose windowed calls the step-time model does not price yet) every group's
+the model's time over all L layers. On the PyTorch kernel's ring (``packed`` tiling and
+``p2p_ring``, whose windowed steps the step-time model does not price yet) every group's
 ``est_g`` is the causal layer's. A causal mask gives exactly the causal figures, with no
 ``layers``.
 """
@@ -177,8 +178,10 @@ def masked_metrics(
     if arrays is None:
         arrays = int_arrays(shards_per_rank)
     tokens_per_rank = metrics.tokens_per_rank
+    # The runtime's rings (and a ring plan's gathered form on flash kernels) stop after
+    # the window's last useful step: steps_run blocks, not N - 1.
     figures = ww.mask_figures_of(arrays, mask, comm_mode=comm_mode,
-                                 tokens_per_rank=tokens_per_rank)
+                                 tokens_per_rank=tokens_per_rank, skip_ring_steps=True)
     n = len(shards_per_rank)
     held = held_kv_mode(kernel, comm_mode)
     layers, rank_layers = [], []
@@ -257,10 +260,10 @@ def weighted_estimates(metrics: Metrics, figures: ww.MaskFigures, arrays: cost.S
                        link: str) -> tuple[float, ...]:
     """The layer-weighted (step, attention, comm, linear) ms per layer (module docstring):
     the causal group's from ``metrics``; a window's from :func:`window_estimate`, or the
-    causal one on a ``packed``-tiling kernel. O(G (shards + tiles))."""
+    causal one on the ``packed``-tiling kernel's ring. O(G (shards + tiles))."""
     causal = (metrics.est_step_ms, metrics.est_attn_ms, metrics.est_comm_ms,
               metrics.est_linear_ms)
-    priced = get_kernel_profile(kernel).tiling == "segment"
+    priced = get_kernel_profile(kernel).tiling == "segment" or comm_mode != "p2p_ring"
     total = [0.0, 0.0, 0.0, 0.0]
     for weight, f in zip(mask.weights(), figures.layers, strict=True):
         est = causal if f.window is None or not priced else window_estimate(

@@ -28,8 +28,10 @@ core/request.py:
   queries: for a shard of i at s, the other rank's last shard of the doc below s ends
   after ``s - W + 1``. Blocks move one hop per step, so a ring that skips the calls of
   steps useful to no rank and stops after the last useful step of the group runs
-  ``steps_run`` shifts of T rows: ``steps_run T`` received per rank. Without skipping
-  (today's runtime, every layer): ``(N - 1) T``.
+  ``steps_run`` shifts of T rows: ``steps_run T`` received per rank, what the runtime's
+  rings (and a ring plan's gathered form on flash kernels) move in windowed layers and
+  plan metrics report (``skip_ring_steps``). Without skipping (causal layers):
+  ``(N - 1) T``.
 
 A hybrid model's figures are the layer-weighted sums over the mask's groups
 (:func:`mask_figures`). Two forms of every figure: numpy over ``cost.ShardArrays`` (the

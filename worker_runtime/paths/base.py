@@ -43,6 +43,9 @@ class PathContext(NamedTuple):
     """A sliding-window layer's W (None: causal)."""
     shared: dict[Any, Any] | None = None
     """The device's cache of what several paths share (a window's exchange), or None."""
+    ring: bool = False
+    """A ``p2p_ring`` plan (its gather runs as ``full``; under a window the gathered form
+    moves only the blocks of the ring's steps 1 .. ``steps_run``, ``windows.py``)."""
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """``build()`` once per ``key`` on this device (every time without a cache)."""
@@ -62,7 +65,8 @@ def standalone_context(layout: RankLayout, comm_mode: str, device: torch.device,
     comm = build_comm_map(layout, gather)
     counter = CommCounter()
     return PathContext(layout, comm, gather, None, None, counter, device,
-                       Exchanger.create(comm, None, 0, counter, device), kernel)
+                       Exchanger.create(comm, None, 0, counter, device), kernel,
+                       ring=comm_mode == "p2p_ring")
 
 
 class PlannedCall(NamedTuple):

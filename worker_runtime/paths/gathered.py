@@ -11,8 +11,10 @@ kernel's (``segment_kernels.SegmentVarlen``), or flash-attn's public varlen func
 
 A sliding-window layer (``windows.py``) runs this path's one causal windowed call, on the
 window's halo map for ``alltoallv`` and ``compact_allgather`` (each shard reading its
-window span ``[max(0, s - W + 1), e)``, ``window_map.window_gather``), else on the causal
-map; the segments path and the segment ring run it too under a window on flash kernels.
+window span ``[max(0, s - W + 1), e)``, ``window_map.window_gather``), for a ``p2p_ring``
+plan on the blocks of the ring's steps 1 .. ``steps_run`` (the ring's bytes,
+``window_map.build_ring_window_map``), else on the causal map; the segments path and the
+segment ring run it too under a window on flash kernels.
 
 With a sink (``sinks.py``) the one call runs as a segment kernel call that returns its
 log-sum-exp (``GatheredSinkAttention``): the segment kernel, or without one flash-attn's
@@ -67,7 +69,7 @@ def build(ctx: PathContext) -> GatheredState:
     """The causal comm map's gather (``kv_index``), or a window's on its halo map."""
     lay, device = ctx.layout, ctx.device
     exchanger, cu_k = ctx.exchanger, lay.cu_seqlens_k
-    if ctx.window is not None and ctx.gather_mode in HALO_MODES:
+    if ctx.window is not None and (ctx.gather_mode in HALO_MODES or ctx.ring):
         exchanger = window_exchanger(ctx)
         found = window_gather(lay, exchanger.comm, ctx.window)
         kv_index, cu_k = torch.from_numpy(found.kv_index).to(device), found.cu_seqlens_k

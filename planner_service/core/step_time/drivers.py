@@ -7,8 +7,9 @@ compare them), :func:`plan_rank_terms` every grouped rank of a plan under any pr
 
 ``window`` (None: causal, every result as without it) prices a sliding-window layer: on the
 flash paths (``segment`` tiling) the gathered form the runtime runs under a window
-(windowed.py); the PyTorch kernel's lean path and ring are refused (ValueError naming
-``window``): their windowed calls are not modelled yet.
+(windowed.py), on the PyTorch kernel's lean path its two windowed calls
+(windowed_lean.py); the PyTorch kernel's ring is refused (ValueError naming ``window``):
+its windowed steps are not modelled yet.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from planner_service.core.model import ModelSpec
 from planner_service.core.paths import RING_PATHS, RUNTIME_FLASH_PATH, ExecutionPath
 from planner_service.core.plan import Plan, Shard
 from planner_service.core.profiles import KernelProfile, LinkProfile, get_kernel_profile
-from planner_service.core.step_time import gathered, lean, ring, segment_ring, segments, windowed
+from planner_service.core.step_time import (
+    gathered,
+    lean,
+    ring,
+    segment_ring,
+    segments,
+    windowed,
+    windowed_lean,
+)
 from planner_service.core.step_time.terms import (
     RUNTIME_OVERLAP,
     GroupInput,
@@ -60,16 +69,23 @@ def execution_path(kernel: KernelProfile, comm_mode: str,
     return paths.execution_path(kernel.tiling, comm_mode, flash_path)
 
 
-def check_window(kernel: KernelProfile, window: int | None) -> None:
-    """ValueError naming ``window`` for a window below 1 or one on a kernel whose windowed
-    calls are not modelled (the PyTorch kernel's ``packed`` tiling: lean path, ring)."""
+def check_window(kernel: KernelProfile, window: int | None, comm_mode: str | None = None) -> None:
+    """ValueError naming ``window`` for a window below 1 or one on a path whose windowed
+    calls are not modelled (the PyTorch kernel's ring: ``packed`` tiling and ``p2p_ring``,
+    or any ``comm_mode`` when None is passed)."""
     if window is None:
         return
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
         raise ValueError(f"window must be None (causal) or an integer >= 1, got {window!r}")
-    if kernel.tiling != "segment":
+    if kernel.tiling != "segment" and comm_mode in (None, "p2p_ring"):
         raise ValueError(f"window: the step-time model prices windowed calls on the flash paths "
-                         f"(segment tiling) only, not kernel {kernel.name!r} ({kernel.tiling})")
+                         f"and the lean path only, not kernel {kernel.name!r}'s ring ({kernel.tiling})")
+
+
+def windowed_model(path: ExecutionPath) -> Any:
+    """The module pricing a windowed layer of ``path``: the lean path's own calls, else the
+    gathered form the runtime runs."""
+    return windowed_lean if path == ExecutionPath.LEAN else windowed
 
 
 def held_kv_mode(kernel: str, comm_mode: str) -> str:
@@ -99,13 +115,13 @@ def rank_terms(
     window: int | None = None,
 ) -> Terms:
     """:func:`rank_step`'s terms with their inputs (what a fit regresses on)."""
-    check_window(kernel, window)
+    check_window(kernel, window, comm_mode)
     path = execution_path(kernel, comm_mode, flash_path)
     step = Step(tokens_per_rank, num_ranks, comm_mode, model, kernel, link, overlap)
     real = sum(s.end - s.start for s in shards)
     inp = RankInput(step, shards, recv_tokens, real, tiles, ring_blocks)
     if window is not None:
-        return windowed.terms(inp, window)
+        return windowed_model(path).terms(inp, window)  # type: ignore[no-any-return]
     return PATH_MODELS[path].terms(inp)
 
 
@@ -171,14 +187,15 @@ def group_steps(
     and O(t log t) (segment_ring.py). No loop over ranks. ``tiles``: per-rank segment
     tiles of the gathered path when already counted (unused on the other paths).
     ``window``: as :func:`rank_step`'s (O(shards + tiles))."""
-    check_window(kernel, window)
+    check_window(kernel, window, comm_mode)
     n = num_ranks
     recv = np.asarray(recv_tokens, dtype=np.int64)
     real = per_rank_sums(arrays.end - arrays.start, arrays.bounds)
     path = execution_path(kernel, comm_mode, flash_path)
     step = Step(tokens_per_rank, n, comm_mode, model, kernel, link, overlap)
     inp = GroupInput(step, arrays, recv, real, tiles)
-    t = windowed.group_terms(inp, window) if window is not None else PATH_MODELS[path].group_terms(inp)
+    t = (windowed_model(path).group_terms(inp, window) if window is not None
+         else PATH_MODELS[path].group_terms(inp))
 
     def f(x: Any) -> np.ndarray:
         return np.broadcast_to(np.asarray(x, dtype=np.float64), (n,)).copy()
@@ -215,10 +232,11 @@ def plan_rank_terms(
     """Per grouped rank of ``plan``, the terms of :func:`rank_step` under any profiles
     (``plan.metrics`` holds them under the plan's named profiles). ``comm_mode`` defaults
     to the plan's; ``flash_path`` is the runtime's by default. ``window``: one layer of that
-    window, each rank receiving the window's exchange (core/window_work.py). O(shards +
+    window, each rank receiving the window's exchange (core/window_work.py; ``p2p_ring``:
+    the ring's ``steps_run`` blocks). O(shards +
     tiles) per rank (ring: per rank and step)."""
-    check_window(kernel, window)
     mode = comm_mode or plan.comm_mode
+    check_window(kernel, window, mode)
     model = model or plan.model
     out = []
     for gi, group in enumerate(plan.groups):
@@ -231,8 +249,10 @@ def plan_rank_terms(
             recv = recv_tokens_by_mode(mode, comm_volumes(group.shards), tokens_per_rank)
         else:
             from planner_service.core import window_work  # imports step_time.runs: not at the top
-            volumes = window_work.window_comm_volumes_of(shard_arrays(group.shards), window)
-            recv = list(window_work.recv_tokens(mode, volumes, tokens_per_rank))
+            arrays = shard_arrays(group.shards)
+            volumes = window_work.window_comm_volumes_of(arrays, window)
+            ring = window_work.ring_schedule_of(arrays, window) if mode == "p2p_ring" else None
+            recv = list(window_work.recv_tokens(mode, volumes, tokens_per_rank, ring))
         for slot, (rank, shards, r) in enumerate(zip(group.ranks, group.shards, recv, strict=True)):
             blocks = [group.shards[(slot - s) % n] for s in range(1, n)]
             t = rank_terms(shards, recv_tokens=r, tokens_per_rank=tokens_per_rank, num_ranks=n,

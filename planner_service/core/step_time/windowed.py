@@ -3,15 +3,18 @@
 Under a window W the runtime runs the ``gathered`` path, and the ``segments`` path and the
 segment ring in their gathered form (worker_runtime/windows.py): one blocking KV
 collective each way, each shard ``[s, e)`` reading its window span, then one varlen call
-with ``window_size_left = W - 1``. On the halo maps (``alltoallv``, ``compact_allgather``,
-HALO_MODES) a shard's keys are ``[max(0, s - W + 1), e)``; on ``full`` and ``p2p_ring``
-(run as the full all-gather, a ring plan's bytes) they are ``[0, e)`` from the causal map.
+with ``window_size_left = W - 1``. On the halo maps (``alltoallv``, ``compact_allgather``)
+and ``p2p_ring`` (one all-to-all of the blocks of the ring's steps 1 .. ``steps_run``,
+``window_work.RingSchedule``: the ring's bytes; HALO_MODES) a shard's keys are
+``[max(0, s - W + 1), e)``; on ``full`` they are ``[0, e)`` from the causal map.
 
 Cost: the ``gathered`` path's terms (gathered.py: its copies, its collectives, all
 exposed) with the windowed call's tiles (core/window_tiles.py ``window_tiles_of``, keys
 aligned at the span's first key) and the span's key rows in place of the causal ones;
-``recv`` is the caller's: the window's own exchange (core/window_work.py). A window at
-least every position gives the gathered path's causal terms exactly on every mode.
+``recv`` is the caller's: the window's own exchange (core/window_work.py; ``p2p_ring``:
+``steps_run`` blocks, ``recv_tokens`` with the ring schedule). A window at
+least every position gives the gathered path's causal terms exactly on every mode, given
+the same ``recv`` (a ring's ``steps_run`` may be below the causal N - 1).
 O(shards + tiles) per rank and for a group.
 """
 
@@ -24,8 +27,9 @@ from planner_service.core.step_time import gathered
 from planner_service.core.step_time.terms import GroupInput, KernelWork, RankInput, Terms
 from planner_service.core.window_tiles import window_tiles_of
 
-HALO_MODES = ("alltoallv", "compact_allgather")
-"""The exchanges whose windowed map moves the halo alone (keys from the window's start)."""
+HALO_MODES = ("alltoallv", "compact_allgather", "p2p_ring")
+"""The exchanges whose windowed gather reads each shard's window span alone (keys from
+the window's start): the halo maps, and a ring plan's blocks of steps 1 .. ``steps_run``."""
 
 
 def _spans(starts: np.ndarray, ends: np.ndarray, window: int, comm_mode: str
