@@ -141,8 +141,9 @@ class ReferenceSegments:
         call's keys lie below its queries); positions ascend within each segment. Runs
         the segments path's and segment ring's piece calls under a window
         (``paths/window_pieces.py``). O(T + K) numpy."""
-        window = check_window(window)
-        assert window is not None
+        checked = check_window(window)
+        assert checked is not None
+        window = checked
         lq: np.ndarray = np.diff(np.asarray(cu_q, np.int64))
         lk: np.ndarray = np.diff(np.asarray(cu_k, np.int64))
         segs = np.arange(len(lq), dtype=np.int64)

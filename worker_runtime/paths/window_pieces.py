@@ -45,7 +45,8 @@ def windowed_parts(kernel: SegmentKernel, calls: Sequence[PieceCall], q_pos: np.
     assert native_window(kernel), "a kernel with positional masks"
     parts = []
     for c in calls:
-        lq, lk = np.diff(c.cu_q.astype(np.int64)), np.diff(c.cu_k.astype(np.int64))
+        lq: np.ndarray = np.diff(np.asarray(c.cu_q, np.int64))
+        lk: np.ndarray = np.diff(np.asarray(c.cu_k, np.int64))
         segs = np.arange(len(lq), dtype=np.int64)
         q_seg, k_seg = np.repeat(segs, lq), np.repeat(segs, lk)
         qp = np.asarray(q_pos[c.q_lo : c.q_hi], np.int64)

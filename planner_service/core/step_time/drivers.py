@@ -245,11 +245,15 @@ def plan_rank_terms(
             sum(s.end - s.start for s in shards) + pad
             for shards, pad in zip(group.shards, group.padding, strict=True)
         )
+        recv: Sequence[int]
         if window is None:
             recv = recv_tokens_by_mode(mode, comm_volumes(group.shards), tokens_per_rank)
         else:
             from planner_service.core import window_work  # imports step_time.runs: not at the top
             arrays = shard_arrays(group.shards)
+            if arrays is None:
+                raise ValueError("window: the windowed model needs int64-safe shards "
+                                 "(positions below 2^31)")
             volumes = window_work.window_comm_volumes_of(arrays, window)
             ring = window_work.ring_schedule_of(arrays, window) if mode == "p2p_ring" else None
             recv = list(window_work.recv_tokens(mode, volumes, tokens_per_rank, ring))
