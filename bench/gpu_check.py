@@ -19,16 +19,20 @@ with its time; each writes ``DIR/<n>_<stage>.md`` and ``.json`` as it ends and
    gathered path on every usable segment kernel (PyTorch's FlashAttention; flash-attn where
    installed), and the PyTorch block kernel's lean path. Pass: TransformerEngine's bf16 CP
    tolerance, ``|got - ref| <= 2.5e-2 + 2.5e-2 |ref|`` everywhere.
-3. ``timings``: per rank, fwd+bwd ms of each path without the exchange (kernel calls,
+3. ``windows``: every usable segment kernel's windowed varlen call (``window_size_left =
+   W - 1``, windows 1, 7, 128, 4,096, segments with no, half and a full halo), forward and
+   backward against the float64 reference kernel (bench/gpu_check_windows.py), same
+   tolerance.
+4. ``timings``: per rank, fwd+bwd ms of each path without the exchange (kernel calls,
    merges and the buffer gathers from global tensors), flashcp and zigzag plans of one
    packed 128K sequence, N = 8, Llama-3-8B attention (32 heads, 8 KV heads, head dim 128).
-4. ``figure3``: FlashCP's Figure 3 effect, per-rank fwd+bwd ms of per_doc vs flashcp plans
+5. ``figure3``: FlashCP's Figure 3 effect, per-rank fwd+bwd ms of per_doc vs flashcp plans
    on the segments path (one 128K doc; 16 docs of 8K), ranks one after another.
-5. ``model_check``: the step-time model on this GPU: per rank of plans of four strategies
+6. ``model_check``: the step-time model on this GPU: per rank of plans of four strategies
    at N in {2, 4, 8}, the segments path's kernel calls alone (kernel term) and the path
    without the exchange (copies = that - kernel); the profile is fitted on half the plans
    (core/profile_fit.py) and predicts the other half, beside the cited profile's prediction.
-6. ``fcp_timings``: profiler timings of flashcp and zigzag plans (each rank's one gathered
+7. ``fcp_timings``: profiler timings of flashcp and zigzag plans (each rank's one gathered
    call) into ``DIR/timings_gpu.json``, for FCP's cost-model fit (``planner fit-profile``).
 """
 
@@ -46,6 +50,7 @@ from typing import Any, NamedTuple
 import torch
 
 from bench import gpu_check_stages as stages
+from bench.gpu_check_windows import windows
 from planner_service.core.model import ModelSpec
 from planner_service.data import make_source
 from worker_runtime.aten_flash import aten_segments, flash_impl, load_aten_ops
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     runs: list[tuple[str, Callable[[Setup], stages.Stage]]] = [
         ("environment", environment), ("correctness", lambda x: stages.correctness(x, TOL)),
+        ("windows", lambda x: windows(x, TOL)),
         ("timings", stages.timings), ("figure3", stages.figure3), ("model_check", stages.model_check),
         ("fcp_timings", lambda x: stages.fcp_timings(x, out)),
     ]

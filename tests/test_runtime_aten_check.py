@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = ("fastapi", "uvicorn", "starlette", "grpc", "ortools", "pydantic", "flash_attn",
            "transformers", "hypothesis", "pytest", "matplotlib", "scipy")
 OWN = ("planner_service", "worker_runtime", "bench")
-STAGES = ("environment", "correctness", "timings", "figure3", "model_check", "fcp_timings")
+STAGES = ("environment", "correctness", "windows", "timings", "figure3", "model_check", "fcp_timings")
 
 CHILD = r"""
 import importlib.abc, json, runpy, sys
@@ -87,6 +87,8 @@ def test_gpu_check_smoke_runs_with_only_numpy_and_torch(tmp_path) -> None:
     correctness = json.loads((tmp_path / "2_correctness.json").read_text())
     assert correctness["ok"] and {r["path"] for r in correctness["rows"]} == {
         "segments", "segment_ring", "gathered", "lean"}
+    windowed = json.loads((tmp_path / "3_windows.json").read_text())
+    assert windowed["ok"] and windowed["rows"] and all(r["ok"] for r in windowed["rows"])
 
     from importlib import metadata
 
