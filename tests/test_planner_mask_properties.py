@@ -82,19 +82,12 @@ def test_flashcp_under_a_mask_is_never_worse_than_its_causal_plan(mask, spec):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(masks.filter(lambda m: not m.is_causal), requests)
 def test_auto_under_a_mask_is_valid_and_within_r_when_a_candidate_is(mask, spec):
-    """On a flash kernel auto takes the least layer-weighted prediction; on the PyTorch
-    kernel (windowed calls not priced) the objective: within R, least exchange."""
+    """On every kernel auto takes the least layer-weighted prediction."""
     lengths, n, context = spec
     plan = solve(PlanRequest(doc_lengths=lengths, cp_size=n, context_length=context,
                              strategy="auto", mask=mask))
     chosen = [c for c in plan.info["candidates"] if not c.get("saves_nothing")]
-    if get_kernel_profile(plan.kernel).tiling == "segment":
-        assert plan.metrics.est_step_ms == min(c["est_step_ms"] for c in chosen)
-        return
-    within = [c for c in chosen if c["weighted_imbalance"] <= 1.05]
-    if within:
-        assert plan.metrics.imbalance <= 1.05
-        assert plan.metrics.comm_tokens == min(c["weighted_comm_tokens"] for c in within)
+    assert plan.metrics.est_step_ms == min(c["est_step_ms"] for c in chosen)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -102,7 +102,7 @@ def test_group_form_per_rank_form_and_a_window_past_every_doc(mode: str) -> None
 
 def test_masked_plans_on_the_torch_kernel_price_each_window() -> None:
     """A masked alltoallv plan on the torch kernel: est below the causal layer's (windows
-    cut work), the ring plan's still the causal layer's."""
+    cut work), and the ring plan's too (windowed_ring.py)."""
     mask = parse_mask(layers="3x64,1xfull")
     lean = solve(debug_request(strategy="contiguous_halo", kernel="cpu-torch", mask=mask))
     causal = solve(debug_request(strategy="contiguous_halo", kernel="cpu-torch"))
@@ -111,4 +111,4 @@ def test_masked_plans_on_the_torch_kernel_price_each_window() -> None:
                                comm_mode="p2p_ring"))
     ring_causal = solve(debug_request(strategy="contiguous_halo", kernel="cpu-torch",
                                       comm_mode="p2p_ring"))
-    assert ring.metrics.est_step_ms == pytest.approx(ring_causal.metrics.est_step_ms, rel=1e-12)
+    assert ring.metrics.est_attn_ms < ring_causal.metrics.est_attn_ms

@@ -15,9 +15,8 @@ layer-weighted sums per rank, ``kv_tokens_peak`` the largest over the windows. A
 layer-weighted mean ``sum_g (count_g / L) est_g`` over the mask's groups, ``est_g`` the
 figures of the slowest rank of one layer of window g (step_time ``group_steps`` with
 ``window``, each rank receiving that window's exchange), so L times ``est_step_ms`` is
-the model's time over all L layers. On the PyTorch kernel's ring (``packed`` tiling and
-``p2p_ring``, whose windowed steps the step-time model does not price yet) every group's
-``est_g`` is the causal layer's. A causal mask gives exactly the causal figures, with no
+the model's time over all L layers (every path prices a windowed layer: the PyTorch
+kernel's ring its windowed steps 1 .. ``steps_run``, step_time/windowed_ring.py). A causal mask gives exactly the causal figures, with no
 ``layers``.
 """
 
@@ -259,14 +258,13 @@ def weighted_estimates(metrics: Metrics, figures: ww.MaskFigures, arrays: cost.S
                        mask: AttentionMask, comm_mode: str, model: ModelSpec, kernel: str,
                        link: str) -> tuple[float, ...]:
     """The layer-weighted (step, attention, comm, linear) ms per layer (module docstring):
-    the causal group's from ``metrics``; a window's from :func:`window_estimate`, or the
-    causal one on the ``packed``-tiling kernel's ring. O(G (shards + tiles))."""
+    the causal group's from ``metrics``; a window's from :func:`window_estimate`.
+    O(G (shards + tiles)) (the PyTorch kernel's ring: windowed_ring.py's bound)."""
     causal = (metrics.est_step_ms, metrics.est_attn_ms, metrics.est_comm_ms,
               metrics.est_linear_ms)
-    priced = get_kernel_profile(kernel).tiling == "segment" or comm_mode != "p2p_ring"
     total = [0.0, 0.0, 0.0, 0.0]
     for weight, f in zip(mask.weights(), figures.layers, strict=True):
-        est = causal if f.window is None or not priced else window_estimate(
+        est = causal if f.window is None else window_estimate(
             arrays, f.recv, f.window, tokens_per_rank=metrics.tokens_per_rank,
             comm_mode=comm_mode, model=model, kernel=kernel, link=link)
         for j in range(4):

@@ -25,11 +25,8 @@ Under a mask that is not causal in every layer the candidates include ``contiguo
 and each plan is measured under the mask (core/metrics.py): ``est_step_ms`` is then the
 predicted time per layer averaged over the mask's groups, ``sum_g (count_g / L) est_g``
 (L layers; est_g one layer of window g on the path the runtime runs it), and the least
-wins as under causal attention. On the PyTorch kernel (``packed`` tiling), whose windowed
-calls the step-time model does not price, the choice is by the layer-weighted objective
-instead: the candidates whose layer-weighted imbalance is within R, least layer-weighted
-critical-path exchange (``metrics.comm_tokens``) first, ties by imbalance then order; if
-none is within R, the most balanced. Each prediction under a mask also records
+wins as under causal attention, on every kernel (every path prices a windowed layer,
+core/step_time/drivers.py ``windowed_model``). Each prediction under a mask also records
 ``weighted_imbalance`` and ``weighted_comm_tokens``.
 
 The candidates are looked up with the ``lookup`` the caller passes (the registry's
@@ -82,8 +79,6 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
     skipped = []
     bound = request.max_kv_tokens_per_rank
     masked = not request.mask.is_causal
-    # Windowed calls are priced on the flash paths only (core/step_time/windowed.py).
-    by_objective = masked and get_kernel_profile(request.kernel).tiling != "segment"
     best: tuple[tuple[float, ...], str, str, Layout, float] | None = None
     predictions = []
     least: int | None = None  # with a bound: the least figure of the candidates over it
@@ -128,10 +123,6 @@ def auto_layout(doc_lengths: Sequence[int], request: PlanRequest, *,
                 continue
             predictions.append(prediction)
             key: tuple[float, ...] = (metrics.est_step_ms,)
-            if by_objective:
-                within = metrics.imbalance <= request.imbalance_target
-                key = ((0.0, metrics.comm_tokens, metrics.imbalance) if within
-                       else (1.0, metrics.imbalance))
             if best is None or key < best[0]:
                 best = (key, name, mode, layout, metrics.imbalance)
     if best is None:

@@ -16,7 +16,8 @@ PyTorch kernel's blocks: lean, ring), ``segment_calls.py`` (flash-attn's varlen 
 segments, segment_ring), ``runs.py`` (a group's (rank, doc) runs and a ring's pairs),
 ``shifts.py`` (a ring's exchange: ring, segment_ring); ``drivers.py`` holds the drivers and
 the table. ``windowed.py`` prices a sliding-window layer (the drivers' ``window``) on the
-flash paths, in the gathered form the runtime runs them under a window.
+flash paths, in the gathered form the runtime runs them under a window; ``windowed_lean.py``
+and ``windowed_ring.py`` on the PyTorch kernel's lean path and ring, their own windowed calls.
 
 **Protocol.** Each path module exposes ``MODEL = PathModel(terms, group_terms, hides)``:
 ``terms(RankInput) -> Terms`` for one rank from its shards (the reference),

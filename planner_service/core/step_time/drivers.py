@@ -8,8 +8,8 @@ compare them), :func:`plan_rank_terms` every grouped rank of a plan under any pr
 ``window`` (None: causal, every result as without it) prices a sliding-window layer: on the
 flash paths (``segment`` tiling) the gathered form the runtime runs under a window
 (windowed.py), on the PyTorch kernel's lean path its two windowed calls
-(windowed_lean.py); the PyTorch kernel's ring is refused (ValueError naming ``window``):
-its windowed steps are not modelled yet.
+(windowed_lean.py), on the PyTorch kernel's ring its windowed steps 1 .. ``steps_run``
+(windowed_ring.py).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from planner_service.core.step_time import (
     segments,
     windowed,
     windowed_lean,
+    windowed_ring,
 )
 from planner_service.core.step_time.terms import (
     RUNTIME_OVERLAP,
@@ -70,22 +71,20 @@ def execution_path(kernel: KernelProfile, comm_mode: str,
 
 
 def check_window(kernel: KernelProfile, window: int | None, comm_mode: str | None = None) -> None:
-    """ValueError naming ``window`` for a window below 1 or one on a path whose windowed
-    calls are not modelled (the PyTorch kernel's ring: ``packed`` tiling and ``p2p_ring``,
-    or any ``comm_mode`` when None is passed)."""
+    """ValueError naming ``window`` for a window that is not None or an integer >= 1
+    (every path prices a windowed layer; ``kernel`` and ``comm_mode`` are unused)."""
     if window is None:
         return
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
         raise ValueError(f"window must be None (causal) or an integer >= 1, got {window!r}")
-    if kernel.tiling != "segment" and comm_mode in (None, "p2p_ring"):
-        raise ValueError(f"window: the step-time model prices windowed calls on the flash paths "
-                         f"and the lean path only, not kernel {kernel.name!r}'s ring ({kernel.tiling})")
 
 
 def windowed_model(path: ExecutionPath) -> Any:
-    """The module pricing a windowed layer of ``path``: the lean path's own calls, else the
-    gathered form the runtime runs."""
-    return windowed_lean if path == ExecutionPath.LEAN else windowed
+    """The module pricing a windowed layer of ``path``: the lean path's and the ring's own
+    calls, else the gathered form the runtime runs."""
+    if path == ExecutionPath.LEAN:
+        return windowed_lean
+    return windowed_ring if path == ExecutionPath.RING else windowed
 
 
 def held_kv_mode(kernel: str, comm_mode: str) -> str:
