@@ -11,7 +11,6 @@ from planner_service.core import cost
 from planner_service.core import window_work as ww
 from planner_service.core.mask import AttentionMask, LayerGroup
 from planner_service.core.plan import Plan
-from planner_service.core.profiles import get_kernel_profile
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.registry import solve
 
