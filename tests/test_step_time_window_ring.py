@@ -72,3 +72,16 @@ def test_per_rank_and_group_forms_against_the_reference_and_the_causal_ring() ->
                     assert t == causal
                     causal_checked += 1
     assert causal_checked > 0
+
+
+def test_a_windowed_ring_too_large_to_price_is_refused_naming_comm_mode() -> None:
+    from planner_service.core.errors import FieldError
+    from planner_service.core.mask import AttentionMask
+    from planner_service.core.request import PlanRequest
+    from planner_service.solvers.registry import solve
+
+    request = PlanRequest(doc_lengths=(131072,), cp_size=256, context_length=None,
+                          strategy="llama3", comm_mode="p2p_ring", kernel="cpu-torch",
+                          mask=AttentionMask.uniform(65536))
+    with pytest.raises(FieldError, match="comm_mode: a windowed p2p_ring layer"):
+        solve(request, check=False)

@@ -26,12 +26,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from planner_service.core.cost import ShardArrays
+from planner_service.core.errors import FieldError
 from planner_service.core.plan import Shard
 from planner_service.core.step_time import ring
 from planner_service.core.step_time.blocks import NO_BLOCKS, Blocks, shard_rows
 from planner_service.core.step_time.shifts import RingHiding, ring_blocks, ring_hiding
 from planner_service.core.step_time.terms import GroupInput, KernelWork, RankInput, Terms
 from planner_service.core.step_time.windowed_lean import window_blocks
+
+MAX_RANK_STEPS = 16_384
+"""The most (rank, ring step) pairs :func:`group_terms` prices: it runs one step call per
+pair (about 80 us each), so this bounds a request's pricing to about 1.3 s CPU."""
 
 
 def steps_run(own: Sequence[Shard], blocks: Sequence[Sequence[Shard]], window: int) -> int:
@@ -104,6 +109,12 @@ def group_terms(inp: GroupInput, window: int) -> Terms:
     a, step = inp.arrays, inp.step
     n = step.num_ranks
     last = window_work.ring_schedule_of(a, window).steps_run if n > 1 else 0
+    if n * last > MAX_RANK_STEPS:
+        raise FieldError(
+            "comm_mode",
+            f"comm_mode: a windowed p2p_ring layer on the {step.kernel.name!r} kernel is modelled "
+            f"for at most {MAX_RANK_STEPS} (rank, ring step) pairs per group, this group has "
+            f"{n * last}; use fewer ranks, a smaller window or another comm_mode")
     shards = [_rank_shards(a, i) for i in range(n)]
     fields = np.zeros((n, 10), dtype=np.int64)
     hid = np.zeros((n, 4), dtype=np.float64)
