@@ -1,5 +1,6 @@
 """Cost formulas against hand-computed cases (docs/plan.md, Cost accounting)."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -156,3 +157,16 @@ def test_alltoallv_receives_equal_the_reference_and_comm_volumes(ranks):
         docs = [s.doc for s in shards]
         repeated = {doc for doc in docs if docs.count(doc) > 1}
         assert sorted(cost.rank_receive(shards)[1]) == sorted(repeated)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lex_order_is_lexsort(seed: int) -> None:
+    """``lex_order`` returns ``np.lexsort``'s permutation, sorted input (the skipped
+    sort) or not, with ties, one entry and none."""
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(0, 40))
+    keys = [rng.integers(0, 4, size) for _ in range(int(rng.integers(1, 4)))]
+    assert np.array_equal(cost.lex_order(keys), np.lexsort(keys))
+    ordered = [k[np.lexsort(keys)] for k in keys]
+    assert np.array_equal(cost.lex_order(ordered), np.arange(size))
+    assert np.array_equal(cost.lex_order(ordered), np.lexsort(ordered))

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from planner_service.core.cost import ShardArrays, per_rank_sums, shard_arrays
+from planner_service.core.cost import ShardArrays, lex_order, per_rank_sums, shard_arrays
 from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.metrics import group_metrics_of, plan_metrics
 from planner_service.core.model import ModelSpec
@@ -84,7 +84,7 @@ def canonical_group(
     n = len(shards_per_rank)
     kept = np.flatnonzero(raw.end > raw.start)
     rank, doc, start, end = raw.rank[kept], raw.doc[kept], raw.start[kept], raw.end[kept]
-    order = np.lexsort((end, start, doc, rank))
+    order = lex_order((end, start, doc, rank))
     source = kept[order]  # each sorted shard's index among the input shards
     rank, doc, start, end = rank[order], doc[order], start[order], end[order]
     merges = np.zeros(len(rank), dtype=bool)

@@ -233,6 +233,22 @@ def shard_workloads(arrays: ShardArrays) -> np.ndarray:
     return (arrays.start + arrays.end + 1) * (arrays.end - arrays.start) // 2
 
 
+def lex_order(keys: Sequence[np.ndarray]) -> np.ndarray:
+    """``np.lexsort(keys)`` (last key primary, stable), skipping the sort where the entries
+    are already in that order, as canonical shards are by (rank, doc, start): then the
+    stable sort is the identity. O(s k) to check, O(s log s) otherwise."""
+    n = len(keys[0])
+    if n > 1:
+        ahead = np.zeros(n - 1, dtype=bool)
+        tied = np.ones(n - 1, dtype=bool)
+        for key in reversed(keys):
+            ahead |= tied & (key[:-1] < key[1:])
+            tied &= key[:-1] == key[1:]
+        if not (ahead | tied).all():
+            return np.lexsort(keys)
+    return np.arange(n)
+
+
 def per_rank_sums(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """Exact int64 sums of ``values`` over each rank's entries ``bounds[i]:bounds[i + 1]``."""
     sums = np.zeros(len(values) + 1, dtype=np.int64)

@@ -44,7 +44,7 @@ def halo_transfers_of(arrays: cost.ShardArrays, window: int | None) -> Transfers
     if len(rank) == 0:
         return Transfers(empty, empty, empty, empty, empty)
     # The gaps: per (rank, doc) in start order, the halo not covered by the previous shard.
-    order = np.lexsort((start, doc, rank))
+    order = cost.lex_order((start, doc, rank))
     r, d, s, e = rank[order], doc[order], start[order], end[order]
     prev = np.zeros(len(r), dtype=np.int64)
     same = (r[1:] == r[:-1]) & (d[1:] == d[:-1])

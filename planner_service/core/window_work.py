@@ -101,18 +101,41 @@ def _nonempty(arrays: cost.ShardArrays) -> tuple[np.ndarray, np.ndarray, np.ndar
     return arrays.rank[keep], arrays.doc[keep], arrays.start[keep], arrays.end[keep]
 
 
-def window_comm_volumes_of(arrays: cost.ShardArrays, window: int | None) -> cost.CommVolumes:
-    """Per rank, the all-to-all-v receive and the compact all-gather send under ``window``
-    (module docstring). O(s log s)."""
-    n = len(arrays.bounds) - 1
+class SortedShards(NamedTuple):
+    """A group's non-empty shards in the two orders the exchange formulas read, sorted once
+    for every window of a mask. O(s log s); O(s) for canonical shards, already in rank
+    order (``cost.lex_order``)."""
+
+    n: int
+    by_rank: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    """(rank, doc, start, end) by rank, doc, start."""
+    by_doc: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    """(rank, doc, start, end) by doc, start."""
+
+
+def sorted_shards(arrays: cost.ShardArrays) -> SortedShards:
+    """``arrays`` sorted for :func:`window_comm_volumes_of` (``SortedShards``)."""
     rank, doc, start, end = _nonempty(arrays)
-    if len(rank) == 0:
+    cols = (rank, doc, start, end)
+    by_rank = cost.lex_order((start, doc, rank))
+    by_doc = cost.lex_order((start, doc))
+    return SortedShards(len(arrays.bounds) - 1, tuple(c[by_rank] for c in cols),
+                        tuple(c[by_doc] for c in cols))
+
+
+def window_comm_volumes_of(arrays: cost.ShardArrays | SortedShards, window: int | None
+                           ) -> cost.CommVolumes:
+    """Per rank, the all-to-all-v receive and the compact all-gather send under ``window``
+    (module docstring), from the shards or their ``sorted_shards`` (to sort once for
+    several windows). O(s log s); O(s) given ``SortedShards``."""
+    srt = arrays if isinstance(arrays, SortedShards) else sorted_shards(arrays)
+    n = srt.n
+    if len(srt.by_rank[0]) == 0:
         return cost.CommVolumes(alltoallv_recv=(0,) * n, allgather_send=(0,) * n)
     limit = np.iinfo(np.int64).max if window is None else window - 1
     # All-to-all-v: the rank's shards of a doc in start order, each adding the part of its
     # halo the rank's previous shard of the doc does not hold.
-    order = np.lexsort((start, doc, rank))
-    r, d, s, e = rank[order], doc[order], start[order], end[order]
+    r, d, s, e = srt.by_rank
     prev = np.zeros(len(r), dtype=np.int64)
     same = (r[1:] == r[:-1]) & (d[1:] == d[:-1])
     prev[1:] = np.where(same, e[:-1], 0)
@@ -120,8 +143,7 @@ def window_comm_volumes_of(arrays: cost.ShardArrays, window: int | None) -> cost
     recv = cost.per_rank_sums(adds, np.searchsorted(r, np.arange(n + 1), side="left"))
     # Compact all-gather: the doc's shards in start order, in runs of one rank; a shard's
     # nearest later shard on another rank opens the next run of the same doc.
-    order = np.lexsort((start, doc))
-    r, d, s, e = rank[order], doc[order], start[order], end[order]
+    r, d, s, e = srt.by_doc
     head = np.ones(len(r), dtype=bool)
     head[1:] = (r[1:] != r[:-1]) | (d[1:] != d[:-1])
     run_first = np.flatnonzero(head)
@@ -230,8 +252,9 @@ def mask_figures_of(arrays: cost.ShardArrays, mask: AttentionMask, *, comm_mode:
     a ``p2p_ring`` that runs only up to the last useful step in windowed layers; causal
     layers always run N - 1). O(G (s log s + t)) for G windows."""
     layers = []
+    srt = sorted_shards(arrays)
     for group in mask.groups:
-        volumes = window_comm_volumes_of(arrays, group.window)
+        volumes = window_comm_volumes_of(srt, group.window)
         ring = ring_schedule_of(arrays, group.window) if (
             comm_mode == "p2p_ring" and skip_ring_steps and group.window is not None) else None
         layers.append(LayerFigures(group.window, group.layers,
@@ -254,7 +277,7 @@ def alltoallv_figures_of(arrays: cost.ShardArrays, mask: AttentionMask
     O(s log s + G s)."""
     n = len(arrays.bounds) - 1
     rank, doc, start, end = _nonempty(arrays)
-    order = np.lexsort((start, doc, rank))
+    order = cost.lex_order((start, doc, rank))
     r, d, s, e = rank[order], doc[order], start[order], end[order]
     prev = np.zeros(len(r), dtype=np.int64)
     if len(r) > 1:

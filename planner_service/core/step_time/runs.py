@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from planner_service.core.cost import lex_order
 from planner_service.core.errors import FieldError
 
 
@@ -39,7 +40,7 @@ def sort_shards(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.nd
                 num_ranks: int) -> SortedShards:
     keep = end > start
     rank, doc, start, end = rank[keep], doc[keep], start[keep], end[keep]
-    order = np.lexsort((end, start, doc, rank))
+    order = lex_order((end, start, doc, rank))
     rank, doc, start = rank[order], doc[order], start[order]
     length = end[order] - start
     head = np.ones(len(rank), dtype=bool)

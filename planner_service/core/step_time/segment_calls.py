@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from planner_service.core.cost import lex_order
 from planner_service.core.plan import Shard
 
 
@@ -209,7 +210,7 @@ def group_segment_work(rank: np.ndarray, doc: np.ndarray, start: np.ndarray, end
         r, s, e = rank, start, end
         np.logical_not(same_doc, out=head[1:])
     else:
-        order = np.lexsort((start, doc, rank))
+        order = lex_order((start, doc, rank))
         r, d, s, e = rank[order], doc[order], start[order], end[order]
         head[1:] = (r[1:] != r[:-1]) | (d[1:] != d[:-1])
     # Runs: a rank's shards of one doc, by start; j = a shard's piece index in its run.
