@@ -159,14 +159,18 @@ def test_alltoallv_receives_equal_the_reference_and_comm_volumes(ranks):
         assert sorted(cost.rank_receive(shards)[1]) == sorted(repeated)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_lex_order_is_lexsort(seed: int) -> None:
+@pytest.mark.parametrize("size", [0, 1, 5, 39, cost.LEX_CHECK_MIN - 1, cost.LEX_CHECK_MIN, 700])
+@pytest.mark.parametrize("seed", range(3))
+def test_lex_order_is_lexsort(size: int, seed: int) -> None:
     """``lex_order`` returns ``np.lexsort``'s permutation, sorted input (the skipped
-    sort) or not, with ties, one entry and none."""
+    sort) or not, with ties, below and above the size where it checks the order."""
     rng = np.random.default_rng(seed)
-    size = int(rng.integers(0, 40))
-    keys = [rng.integers(0, 4, size) for _ in range(int(rng.integers(1, 4)))]
-    assert np.array_equal(cost.lex_order(keys), np.lexsort(keys))
-    ordered = [k[np.lexsort(keys)] for k in keys]
-    assert np.array_equal(cost.lex_order(ordered), np.arange(size))
-    assert np.array_equal(cost.lex_order(ordered), np.lexsort(ordered))
+    for num_keys in (1, 2, 3):
+        keys = [rng.integers(0, 4, size) for _ in range(num_keys)]
+        assert np.array_equal(cost.lex_order(keys), np.lexsort(keys))
+        ordered = [k[np.lexsort(keys)] for k in keys]
+        assert np.array_equal(cost.lex_order(ordered), np.arange(size))
+        if size > 1:  # one entry out of order
+            ordered[-1] = ordered[-1].copy()
+            ordered[-1][0] = 5
+            assert np.array_equal(cost.lex_order(ordered), np.lexsort(ordered))

@@ -233,11 +233,18 @@ def shard_workloads(arrays: ShardArrays) -> np.ndarray:
     return (arrays.start + arrays.end + 1) * (arrays.end - arrays.start) // 2
 
 
+LEX_CHECK_MIN = 256
+"""Entries from which ``lex_order`` checks the order before sorting."""
+
+
 def lex_order(keys: Sequence[np.ndarray]) -> np.ndarray:
     """``np.lexsort(keys)`` (last key primary, stable), skipping the sort where the entries
     are already in that order, as canonical shards are by (rank, doc, start): then the
-    stable sort is the identity. O(s k) to check, O(s log s) otherwise."""
+    stable sort is the identity. O(s k) to check, O(s log s) otherwise; below
+    ``LEX_CHECK_MIN`` entries the sort alone is cheaper than the check."""
     n = len(keys[0])
+    if 1 < n < LEX_CHECK_MIN:
+        return np.lexsort(keys)
     if n > 1:
         ahead = np.zeros(n - 1, dtype=bool)
         tied = np.ones(n - 1, dtype=bool)
