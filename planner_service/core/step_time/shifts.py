@@ -104,23 +104,26 @@ def ring_hiding(parts: Sequence[tuple[KernelWork, Rows] | None], step: Step) -> 
 
 
 def group_ring_hiding(rank: np.ndarray, steps: np.ndarray, work: KernelWork, merge: Rows,
-                      step: Step) -> RingHiding:
+                      step: Step, num_ranks: int | None = None) -> RingHiding:
     """:func:`ring_hiding` of every rank from one entry per (rank, step) with a call,
     sorted by (rank, step): fields of ``work`` and ``merge`` are arrays over the entries
-    (or scalars)."""
+    (or scalars). ``num_ranks``: the ranks of the output when ``step.num_ranks`` is the
+    ring's length rather than the group's (a windowed ring's ``steps_run + 1``)."""
     def take(x: Any, keep: np.ndarray) -> Any:
         return type(x)(*(f[keep] if isinstance(f, np.ndarray) else f for f in x))
 
     model, kernel, n = step.model, step.kernel, step.num_ranks
+    ranks = n if num_ranks is None else num_ranks
     shift = ring_shift_ms(step.tokens_per_rank, model, step.link)
     mid = steps <= n - 2
     w = ring_window_ms(take(work, mid), take(merge, mid), model, kernel)
     late = steps >= 2
     b_s = (1 - forward_share(kernel)) * kernel_ms(take(work, late), model, kernel)
-    return RingHiding(np.bincount(rank[mid], weights=np.maximum(0.0, shift - w), minlength=n),
-                      np.bincount(rank[mid], minlength=n),
-                      np.bincount(rank[late], weights=np.maximum(0.0, shift - b_s), minlength=n),
-                      np.bincount(rank[late], minlength=n))
+    return RingHiding(np.bincount(rank[mid], weights=np.maximum(0.0, shift - w), minlength=ranks),
+                      np.bincount(rank[mid], minlength=ranks),
+                      np.bincount(rank[late], weights=np.maximum(0.0, shift - b_s),
+                                  minlength=ranks),
+                      np.bincount(rank[late], minlength=ranks))
 
 
 def ring_exchange(step: Step, recv: Any, local: KernelWork, hiding: RingHiding | None) -> Exchange:

@@ -14,14 +14,26 @@ Cost: ring.py's terms (its copies ``ring_rows``, its shifts and their hiding, sh
 on these calls, with S in place of N - 1: 3 S shifts of the T-row block (``recv``: the
 caller's S x T, ``window_work.recv_tokens`` with the ring schedule). A window at least
 every position gives the ring's causal terms exactly when S = N - 1 (a ring whose last
-steps bring nothing runs fewer shifts). Per rank from its rows and its blocks,
-O(S (rows log rows + blocks)); the group form runs it rank by rank, O(N S (T log T +
-blocks)) for T rows per rank.
+steps bring nothing runs fewer shifts).
+
+Two forms. Per rank (:func:`terms`, the reference) step by step from its rows and its
+blocks, O(S (rows log rows + blocks)). For a group (:func:`group_terms`) every (rank,
+step) call at once from shard arrays: step s's queries of rank i are, per own shard of a
+doc that rank i - s holds below it, the shard's rows whose window reaches back to that
+rank's last key of the doc below the shard, a prefix of the shard (:func:`step_queries`,
+on the pairs of ``runs.ring_seen``); each query block's key range is counted by binary
+search in the group's sorted shards. O((s + t + b) log s) for s shards, t (shard, other
+holder of its doc) pairs and b query blocks (local and ring calls), no loop over ranks
+or steps. The ring calls' query blocks, the kernel's own work, are bounded by
+:data:`MAX_STEP_BLOCKS` (``runs.MAX_RING_PAIRS`` bounds t); above either a group is
+refused with a FieldError on ``comm_mode``. The two forms are compared field by field in
+tests/test_step_time_window_ring.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,13 +42,22 @@ from planner_service.core.errors import FieldError
 from planner_service.core.plan import Shard
 from planner_service.core.step_time import ring
 from planner_service.core.step_time.blocks import NO_BLOCKS, Blocks, shard_rows
-from planner_service.core.step_time.shifts import RingHiding, ring_blocks, ring_hiding
+from planner_service.core.step_time.runs import RingSeen, SortedShards, ring_seen, sort_shards
+from planner_service.core.step_time.shifts import (
+    RingHiding,
+    group_ring_hiding,
+    ring_blocks,
+    ring_hiding,
+)
 from planner_service.core.step_time.terms import GroupInput, KernelWork, RankInput, Terms
 from planner_service.core.step_time.windowed_lean import window_blocks
 
-MAX_RANK_STEPS = 16_384
-"""The most (rank, ring step) pairs :func:`group_terms` prices: it runs one step call per
-pair (about 80 us each), so this bounds a request's pricing to about 1.3 s CPU."""
+MAX_STEP_BLOCKS = 1 << 22
+"""The most query blocks (``tile_q`` rows each) :func:`group_terms` prices over a group's
+ring calls, every (rank, step) with queries in its windows: the kernel's own work, which
+the group form's arrays follow (about a second of numpy at the limit). Above it the group
+is refused with a FieldError on ``comm_mode``; the (shard, other holder of its doc) pairs
+the calls are built from are bounded by ``runs.MAX_RING_PAIRS``."""
 
 
 def steps_run(own: Sequence[Shard], blocks: Sequence[Sequence[Shard]], window: int) -> int:
@@ -96,40 +117,180 @@ def terms(inp: RankInput, window: int) -> Terms:
                        queries, hiding)
 
 
-def _rank_shards(a: ShardArrays, i: int) -> list[Shard]:
-    lo, hi = int(a.bounds[i]), int(a.bounds[i + 1])
-    return [Shard(int(d), int(s), int(e))
-            for d, s, e in zip(a.doc[lo:hi], a.start[lo:hi], a.end[lo:hi], strict=True)]
+class _Rows(NamedTuple):
+    """A group's sorted shards (``runs.sort_shards``) set up to count a rank's rows below a
+    (doc, position): the rows of rank j below (d, p) are those of its runs of earlier docs
+    and those of its run of d at positions below p."""
+
+    s: SortedShards
+    row0: np.ndarray
+    """Each sorted shard's first row in the group's rows (rank, doc, position), then the
+    total."""
+    docs: np.ndarray
+    """The group's distinct docs."""
+    run_key: np.ndarray
+    """Per run, ``rank * len(docs) + `` its doc's index in ``docs`` (increasing)."""
+    run_first: np.ndarray
+    """Per run its first shard, then the number of shards."""
+    shard_key: np.ndarray
+    """Per shard ``run * stride + start`` (increasing)."""
+    rank_row0: np.ndarray
+    """Per rank its first row in the group's rows."""
+    stride: int
+    """Above every position."""
+
+
+def _rows(s: SortedShards) -> _Rows:
+    row0 = np.concatenate(([0], np.cumsum(s.length)))
+    docs = np.unique(s.doc)
+    run_rank, run_doc = s.rank[s.run_first], s.doc[s.run_first]
+    run_key = run_rank * len(docs) + np.searchsorted(docs, run_doc)
+    stride = int((s.start + s.length).max(initial=0)) + 1
+    rank_first = np.searchsorted(s.rank, np.arange(s.num_ranks), side="left")
+    return _Rows(s, row0, docs, run_key, np.append(s.run_first, len(s.rank)),
+                 s.run * stride + s.start, row0[rank_first], stride)
+
+
+def _below(g: _Rows, rank: np.ndarray, doc: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Per entry, rank ``rank``'s rows below (``doc``, ``pos``) in (doc, position) order;
+    ``doc`` one of the group's docs, ``0 <= pos < stride``. O(e log s) for e entries."""
+    s = g.s
+    target = rank * len(g.docs) + np.searchsorted(g.docs, doc)
+    run = np.searchsorted(g.run_key, target, side="left")
+    first = g.run_first[run]
+    found = g.run_key[np.minimum(run, len(g.run_key) - 1)] == target
+    found &= run < len(g.run_key)
+    # The run's shards starting below pos: the last of them holds rows at and above pos
+    # when it reaches past it.
+    idx = np.searchsorted(g.shard_key, run * g.stride + pos, side="left")
+    last = np.where(found & (idx > first), idx - 1, -1)
+    lt = np.maximum(last, 0)
+    below = np.where(last >= 0, g.row0[lt] + np.minimum(s.length[lt], pos - s.start[lt]),
+                     g.row0[first])
+    return below - g.rank_row0[rank]
+
+
+def _call_blocks(g: _Rows, call: np.ndarray, shard: np.ndarray, rows: np.ndarray,
+                 key_rank: np.ndarray, block_q: int, block_k: int, window: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(pairs, key blocks, query blocks, queries) of ``len(key_rank)`` windowed calls,
+    :func:`windowed_lean.window_blocks`'s count: call c's queries are, in order, the first
+    ``rows[e]`` (> 0) rows of shard ``shard[e]`` of its entries e (``call`` non-decreasing),
+    its keys the rows of rank ``key_rank[c]``. O(e + b log s) for e entries and b query
+    blocks."""
+    num_calls = len(key_rank)
+    row0 = np.concatenate(([0], np.cumsum(rows)))
+    bounds = np.searchsorted(call, np.arange(num_calls + 1), side="left")
+    queries = row0[bounds[1:]] - row0[bounds[:-1]]
+    nb = -(-queries // block_q)
+    block_call = np.repeat(np.arange(num_calls, dtype=np.int64), nb)
+    index = np.arange(int(nb.sum()), dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
+    q0 = row0[bounds[:-1]][block_call] + index * block_q
+    q1 = np.minimum(q0 + block_q, row0[bounds[1:]][block_call])
+    a = np.searchsorted(row0, q0, side="right") - 1
+    b = np.searchsorted(row0, q1 - 1, side="right") - 1
+    # The block's first query (doc, p0) reads from its window start, its last (doc, p1)
+    # up to itself.
+    s, j, first, last = g.s, key_rank[block_call], shard[a], shard[b]
+    p0 = s.start[first] + (q0 - row0[a])
+    p1 = s.start[last] + (q1 - 1 - row0[b])
+    lo = _below(g, j, s.doc[first], np.maximum(p0 - window + 1, 0))
+    hi = _below(g, j, s.doc[last], p1 + 1)
+    span = np.maximum(hi - lo, 0)
+
+    def per_call(x: np.ndarray) -> np.ndarray:
+        sums = np.concatenate(([0], np.cumsum(x)))
+        ends = np.cumsum(nb)
+        return sums[ends] - sums[ends - nb]
+
+    return per_call((q1 - q0) * span), per_call(-(-span // block_k)), nb, queries
+
+
+class _GroupWork(NamedTuple):
+    """A group's windowed calls: each rank's local call and every ring call."""
+
+    local: KernelWork
+    """Per rank, its local call."""
+    last: int
+    """The group's ``steps_run``."""
+    rank: np.ndarray
+    """Per ring call (a (rank, step) with queries), sorted by (rank, step): its rank."""
+    step: np.ndarray
+    """Per ring call, its step."""
+    blocks: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    """Per ring call (pairs, key blocks, query blocks, queries)."""
+
+
+def step_queries(s: SortedShards, seen: RingSeen, window: int) -> np.ndarray:
+    """Per pair of ``seen``, the shard's rows with a key of the other run in their window:
+    a prefix of the shard. The run's keys below the shard's start end at ``e`` (its last
+    shard starting below the start: shards are disjoint), so row p has one iff
+    ``p < e + W - 1``; its keys above the shard are above every row of it."""
+    stride = int((s.start + s.length).max()) + 1
+    key = s.run * stride + s.start
+    last = np.searchsorted(key, seen.other * stride + s.start[seen.shard], side="left") - 1
+    e = s.start[last] + s.length[last]
+    return np.clip(e + window - 1 - s.start[seen.shard], 0, s.length[seen.shard])
+
+
+def _group_work(a: ShardArrays, n: int, block_q: int, block_k: int, window: int) -> _GroupWork:
+    """:func:`_rank_work`'s calls of every rank at once (module docstring): the ring calls
+    from the (own shard, other run) pairs of ``runs.ring_seen`` with queries in their window
+    (:func:`step_queries`), grouped by (rank, step); FieldError on ``comm_mode`` above
+    ``runs.MAX_RING_PAIRS`` pairs or :data:`MAX_STEP_BLOCKS` ring query blocks."""
+    s = sort_shards(a.rank, a.doc, a.start, a.end, n)
+    seen = ring_seen(s)
+    rows = step_queries(s, seen, window) if len(seen.shard) else seen.seen
+    keep = rows > 0
+    shard, step, rows = seen.shard[keep], seen.step[keep], rows[keep]
+    i = s.rank[shard]
+    order = np.lexsort((shard, step, i))
+    shard, step, rows, i = shard[order], step[order], rows[order], i[order]
+    head = np.ones(len(i), dtype=bool)
+    head[1:] = (i[1:] != i[:-1]) | (step[1:] != step[:-1])
+    queries = np.add.reduceat(rows, np.flatnonzero(head)) if len(rows) else rows
+    blocks = int((-(-queries // block_q)).sum())
+    if blocks > MAX_STEP_BLOCKS:
+        raise FieldError(
+            "comm_mode",
+            f"comm_mode: a windowed p2p_ring layer is modelled for at most {MAX_STEP_BLOCKS} "
+            f"query blocks over its ring steps per group (MAX_STEP_BLOCKS), this group has "
+            f"{blocks}; use fewer ranks, a smaller window or another comm_mode")
+    g = _rows(s)
+    lp, lt, lr, _ = _call_blocks(g, s.rank, np.arange(len(s.rank), dtype=np.int64), s.length,
+                                 np.arange(n, dtype=np.int64), block_q, block_k, window)
+    local = KernelWork(lp, lt, np.diff(a.bounds), lr, np.ones(n, dtype=np.int64))
+    ci, cs = i[head], step[head]
+    return _GroupWork(local, int(cs.max(initial=0)), ci, cs,
+                      _call_blocks(g, np.cumsum(head) - 1, shard, rows, (ci - cs) % n, block_q,
+                                   block_k, window))
+
+
+def group_parts(inp: GroupInput, window: int
+                ) -> tuple[int, KernelWork, KernelWork, np.ndarray, RingHiding | None]:
+    """(``steps_run``, local calls, ring calls, ring queries, hiding) per rank: what
+    :func:`_rank_work` gives rank by rank, as arrays over the ranks."""
+    a, step = inp.arrays, inp.step
+    n, k = step.num_ranks, step.kernel
+    w = _group_work(a, n, k.tile_q, k.tile_k, window)
+    pairs, tiles, row_blocks, queries = w.blocks
+    ends = np.searchsorted(w.rank, np.arange(n + 1), side="left")
+
+    def per_rank(x: np.ndarray) -> np.ndarray:
+        sums = np.concatenate(([0], np.cumsum(x, dtype=np.int64)))
+        return sums[ends[1:]] - sums[ends[:-1]]
+
+    work = KernelWork(per_rank(pairs), per_rank(tiles), np.zeros(n, dtype=np.int64),
+                      per_rank(row_blocks), np.diff(ends))
+    hiding = group_ring_hiding(w.rank, w.step, KernelWork(pairs, tiles, 0, row_blocks, 1),
+                               ring.merge_rows(queries), step._replace(num_ranks=w.last + 1),
+                               num_ranks=n) if step.overlap else None
+    return w.last, w.local, work, per_rank(queries), hiding
 
 
 def group_terms(inp: GroupInput, window: int) -> Terms:
-    """Every rank's terms under ``window``: :func:`terms`' work rank by rank, in arrays."""
-    from planner_service.core import window_work  # imports step_time.runs: not at the top
-
-    a, step = inp.arrays, inp.step
-    n = step.num_ranks
-    last = window_work.ring_schedule_of(a, window).steps_run if n > 1 else 0
-    if n * last > MAX_RANK_STEPS:
-        raise FieldError(
-            "comm_mode",
-            f"comm_mode: a windowed p2p_ring layer on the {step.kernel.name!r} kernel is modelled "
-            f"for at most {MAX_RANK_STEPS} (rank, ring step) pairs per group, this group has "
-            f"{n * last}; use fewer ranks, a smaller window or another comm_mode")
-    shards = [_rank_shards(a, i) for i in range(n)]
-    fields = np.zeros((n, 10), dtype=np.int64)
-    hid = np.zeros((n, 4), dtype=np.float64)
-    for i in range(n):
-        blocks = [shards[(i - s) % n] for s in range(1, n)]
-        rin = RankInput(step, shards[i], int(inp.recv[i]), int(inp.real[i]), None, blocks)
-        local, work, queries, hiding = _rank_work(rin, blocks, last, window)
-        fields[i] = (*local, *work[:2], work.row_blocks, work.calls, queries)
-        if hiding is not None:
-            hid[i] = hiding
-    f = fields.T
-    zero = np.zeros(n, dtype=np.int64)
-    local = KernelWork(f[0], f[1], f[2], f[3], f[4])
-    work = KernelWork(f[5], f[6], zero, f[7], f[8])
-    hiding = (RingHiding(hid[:, 0], hid[:, 1].astype(np.int64), hid[:, 2],
-                         hid[:, 3].astype(np.int64)) if step.overlap else None)
-    return ring._terms(step._replace(num_ranks=last + 1), local, work, inp.real, inp.recv,
-                       f[9], hiding)
+    """Every rank's terms under ``window``: :func:`terms`' calls for all (rank, step) pairs
+    at once (:func:`group_parts`, module docstring)."""
+    last, local, work, queries, hiding = group_parts(inp, window)
+    return ring._terms(inp.step._replace(num_ranks=last + 1), local, work, inp.real, inp.recv,
+                       queries, hiding)
