@@ -4,6 +4,7 @@ slow strategies' libraries."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from dataclasses import replace
@@ -377,3 +378,41 @@ def test_place_with_long_runs_of_equal_docs_equals_the_plain_scan(runs, n, targe
     slow, slow_spill = reference_place(doc_lengths, order, n, allowed, fill_aware, total)
     assert fast.shards == slow.shards and fast_spill == slow_spill
     assert (fast.tokens, fast.work) == (slow.tokens, slow.work)
+
+
+def whole_doc_case(seed: int) -> tuple[list[int], int, int]:
+    """(doc lengths, ranks, docs zigzagged first) with long runs of equal docs: mixed
+    lengths, thousands of 1-token docs, ties from empty ranks, more ranks than tokens."""
+    rng = random.Random(seed)
+    n = (1, 3, 8, 100, 1024)[seed % 5]
+    kind = seed % 4
+    if kind == 0:  # runs of a few lengths, some longer docs first
+        lengths = [rng.randint(100, 4000) for _ in range(rng.randint(0, 30))]
+        for length in rng.sample(range(1, 60), 4):
+            lengths += [length] * rng.randint(1, 1500)
+    elif kind == 1:  # thousands of 1-token docs
+        lengths = [1] * rng.randint(1, 4000) + [rng.randint(1, 50) for _ in range(20)]
+    elif kind == 2:  # more ranks than tokens, or one doc
+        lengths = [1] * rng.randint(1, max(1, n // 2)) if seed % 2 else [rng.randint(1, 500)]
+    else:  # one long run on empty ranks (every rank ties)
+        lengths = [rng.randint(1, 9)] * rng.randint(128, 3000)
+    return lengths, n, rng.randint(0, 2) if kind == 0 else 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_whole_doc_runs_in_blocks_equal_the_plain_scan(seed, monkeypatch):
+    """Runs of equal docs placed in one block (``paper.lpt_run``; every run, with
+    ``WHOLE_RUN`` = 1, on the odd seeds) give the same layout as LPT doc by doc."""
+    if seed % 2:
+        monkeypatch.setattr(paper, "WHOLE_RUN", 1)
+    doc_lengths, n, zigzagged = whole_doc_case(seed)
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    cap = -(-sum(doc_lengths) // n)
+    layouts = []
+    for whole in (paper.whole_doc, reference_whole_doc):
+        ranks = Ranks(n, cap)
+        for doc in order[:zigzagged]:
+            zigzag(ranks, list(range(n)), doc, doc_lengths[doc])
+        whole(ranks, [(d, doc_lengths[d]) for d in order[zigzagged:]])
+        layouts.append((ranks.shards, ranks.tokens, ranks.work))
+    assert layouts[0] == layouts[1]
