@@ -31,7 +31,7 @@ from planner_service.core.cost import doc_workload, imbalance
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.balance import declared
-from planner_service.solvers.flashcp.ranks import Ranks, new_shard
+from planner_service.solvers.flashcp.ranks import Ranks, Whole, new_shard, whole_shards
 from planner_service.solvers.flashcp.runs import add_run
 
 MAX_PER_DOC = 64
@@ -73,7 +73,7 @@ def lpt_docs(ranks: Ranks, docs: Sequence[tuple[int, int]], spill: list[tuple[in
     """``whole_doc``'s heap over the given docs, from the ranks' state; the docs no rank
     has room for are appended to ``spill``. O((D + N) log N)."""
     cap = ranks.capacity
-    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    shards, tokens, work, whole = ranks.shards, ranks.tokens, ranks.work, ranks.whole
     heap = [(w, r) for r, w in enumerate(work) if tokens[r] < cap]
     heapq.heapify(heap)
     parked: list[tuple[int, int]] = []  # (-room, rank)
@@ -90,7 +90,8 @@ def lpt_docs(ranks: Ranks, docs: Sequence[tuple[int, int]], spill: list[tuple[in
         if heap:
             rank = heap[0][1]
             # ranks.add(rank, doc, 0, length) inlined.
-            shards[rank].append(new_shard(Shard, (doc, 0, length)))
+            shards[rank].append(new_shard(Shard, (doc, 0, length)) if whole is None
+                                else whole[doc])
             tokens[rank] += length
             work[rank] += length * (length + 1) // 2
             if tokens[rank] < cap:
@@ -232,13 +233,17 @@ def _must_exceed(length: int, per_doc: Ranks, allowed: float) -> bool:
 
 
 def algorithm1(
-    doc_lengths: Sequence[int], n: int, target: float, *, max_per_doc: int = MAX_PER_DOC
+    doc_lengths: Sequence[int], n: int, target: float, *, max_per_doc: int = MAX_PER_DOC,
+    whole: Whole | None = None,
 ) -> tuple[float, Ranks, list[int]]:
-    """Algorithm 1 (module docstring): (imbalance, layout, Per-Doc docs ascending)."""
+    """Algorithm 1 (module docstring): (imbalance, layout, Per-Doc docs ascending);
+    ``whole``: the docs' whole shards, if at hand (``ranks.whole_shards``)."""
     # Longest first, ties by index (a stable sort of the negated lengths; lengths < 2^31).
     order = np.argsort(-np.array(doc_lengths, dtype=np.int64), kind="stable").tolist()
     allowed = target * sum(map(doc_workload, doc_lengths)) / n
-    per_doc = Ranks(n, -(-sum(doc_lengths) // n))  # the Per-Doc part, one more doc per k
+    # The Per-Doc part, one more doc per k.
+    per_doc = Ranks(n, -(-sum(doc_lengths) // n),
+                    whole_shards(doc_lengths) if whole is None else whole)
     best: tuple[float, Ranks, list[int]] | None = None
     for k in range(min(len(order), max_per_doc) + 1):
         if k:

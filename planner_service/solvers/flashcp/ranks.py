@@ -7,8 +7,8 @@ O(s).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import accumulate
+from collections.abc import Mapping, Sequence
+from itertools import accumulate, repeat
 from operator import itemgetter
 
 from planner_service.core.cost import rank_receive
@@ -19,18 +19,36 @@ new_shard = tuple.__new__
 ``__new__`` (hot paths)."""
 
 
+Whole = Sequence[Shard] | Mapping[int, Shard]
+"""Each doc's whole shard (doc, 0, its length), indexed by doc: shared by the layouts of one
+solve (shards are immutable tuples), so placing a doc whole appends a reference instead of
+building a tuple (``whole_shards``)."""
+
+
+def whole_shards(doc_lengths: Sequence[int], docs: Sequence[int] | None = None) -> Whole:
+    """``Whole`` for every doc (a list), or for the given ``docs`` only (a dict); the
+    lengths as ``doc_lengths`` holds them, the figures a shard built per doc would hold.
+    O(D)."""
+    if docs is None:
+        return list(map(Shard, range(len(doc_lengths)), repeat(0), doc_lengths))
+    return dict(zip(docs, map(Shard, docs, repeat(0), map(doc_lengths.__getitem__, docs)),
+                    strict=True))
+
+
 class Ranks:
     """Mutable per-rank state of a layout under construction (plain lists: per-doc numpy
-    calls would cost more than they save)."""
+    calls would cost more than they save); ``whole``: the docs' whole shards if at hand
+    (``Whole``), which the placements that add whole docs append."""
 
-    def __init__(self, n: int, capacity: int) -> None:
+    def __init__(self, n: int, capacity: int, whole: Whole | None = None) -> None:
         self.shards: list[list[Shard]] = [[] for _ in range(n)]
         self.tokens = [0] * n
         self.work = [0] * n
         self.capacity = capacity
+        self.whole = whole
 
     def copy(self) -> Ranks:
-        other = Ranks(0, self.capacity)
+        other = Ranks(0, self.capacity, self.whole)
         other.shards = [list(r) for r in self.shards]
         other.tokens = list(self.tokens)
         other.work = list(self.work)

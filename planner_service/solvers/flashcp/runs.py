@@ -218,12 +218,18 @@ def single_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
 
 
 def add_run(ranks: Ranks, chosen: np.ndarray, docs: Sequence[int], length: int) -> list[int]:
-    """Add doc ``docs[i]`` whole to rank ``chosen[i]`` for every i, in order; the ranks
-    given docs, ascending. O(K log K + N)."""
+    """Add doc ``docs[i]`` whole to rank ``chosen[i]`` for every i, in order (the shards
+    from ``ranks.whole`` if set); the ranks given docs, ascending. O(K log K + N)."""
     given = np.bincount(chosen)
     changed = np.flatnonzero(given).tolist()
-    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
-    if len(chosen) < 4 * len(changed):  # few docs per rank: one by one
+    shards, tokens, work, whole = ranks.shards, ranks.tokens, ranks.work, ranks.whole
+    if whole is not None:  # the docs' shards at hand (``ranks.Whole``): grouped by rank
+        held = np.asarray(docs, dtype=np.int64)[np.argsort(chosen, kind="stable")].tolist()
+        at = 0
+        for r, count in zip(changed, given[changed].tolist(), strict=True):
+            shards[r].extend(map(whole.__getitem__, held[at:at + count]))
+            at += count
+    elif len(chosen) < 4 * len(changed):  # few docs per rank: one by one
         for doc, r in zip(docs, chosen.tolist(), strict=True):
             shards[r].append(new_shard(Shard, (doc, 0, length)))
     else:  # the docs grouped by rank, in order (a stable sort), one extend per rank

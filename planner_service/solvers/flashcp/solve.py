@@ -72,7 +72,7 @@ from planner_service.solvers.balance import declared
 from planner_service.solvers.flashcp.bulk import bulk_applies, bulk_layout
 from planner_service.solvers.flashcp.paper import MAX_PER_DOC, algorithm1
 from planner_service.solvers.flashcp.place import finish, place
-from planner_service.solvers.flashcp.ranks import Ranks, measure, zigzagged
+from planner_service.solvers.flashcp.ranks import Ranks, measure, whole_shards, zigzagged
 from planner_service.solvers.flashcp.refine import descend
 
 
@@ -261,12 +261,14 @@ def flashcp_solve(
             return _choose([Found(receive, 0, ranks, False, doubled)], doc_lengths, n, target,
                            total_work, allowed, steps, comm_mode, cost)
         fallback = (imb, ranks)
+    # Every doc's whole shard, shared by the layouts below (``ranks.Whole``).
+    whole = whole_shards(doc_lengths)
     if n > 1:
         for batch in passes(doc_lengths, order, n, allowed):
             found: list[Found] = []
             for spec in batch:
                 placed, spill = place(doc_lengths, spec.order, n, allowed, spec.fill_aware,
-                                      total_work, spec.nested, lengths=lengths)
+                                      total_work, spec.nested, lengths=lengths, whole=whole)
                 # Without docs to spill, the spill orders give the same layout: finish one.
                 spills = spec.spills if spill else spec.spills[:1]
                 for i, tail_largest in enumerate(spills):
@@ -283,11 +285,11 @@ def flashcp_solve(
                 return _choose(found, doc_lengths, n, target, total_work, allowed, steps,
                                comm_mode, cost)
     rounds = paper_rounds(len(doc_lengths), n)
-    imb, ranks, _ = algorithm1(doc_lengths, n, target, max_per_doc=rounds)
+    imb, ranks, _ = algorithm1(doc_lengths, n, target, max_per_doc=rounds, whole=whole)
     more = paper_rounds(len(doc_lengths), n, PAPER_RETRY_WORK)
     if (imb > target and more > rounds and len(doc_lengths) <= PAPER_RETRY_DOCS
             and n <= PAPER_RETRY_RANKS):
-        retried, again, _ = algorithm1(doc_lengths, n, target, max_per_doc=more)
+        retried, again, _ = algorithm1(doc_lengths, n, target, max_per_doc=more, whole=whole)
         if retried < imb:
             imb, ranks = retried, again
     if fallback is not None and fallback[0] < imb:
