@@ -416,3 +416,25 @@ def test_whole_doc_runs_in_blocks_equal_the_plain_scan(seed, monkeypatch):
         whole(ranks, [(d, doc_lengths[d]) for d in order[zigzagged:]])
         layouts.append((ranks.shards, ranks.tokens, ranks.work))
     assert layouts[0] == layouts[1]
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+    doc_lengths=st.lists(st.integers(1, 300), min_size=1, max_size=60),
+    n=st.integers(1, 12),
+    spilled=st.integers(1, 60),
+    tail_largest=st.booleans(),
+)
+def test_split_spill_of_docs_that_fit_equals_the_plain_scan(doc_lengths, n, spilled, tail_largest):
+    """``paper.split_spill`` of docs some rank holds whole (one piece there) and of docs
+    that must be split, after LPT has placed the others, in both piece orders."""
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    cap = -(-sum(doc_lengths) // n) + 5
+    layouts = []
+    for whole, split in ((paper.whole_doc, paper.split_spill),
+                         (reference_whole_doc, reference_split_spill)):
+        ranks = Ranks(n, cap)
+        whole(ranks, [(d, doc_lengths[d]) for d in order[spilled:]])
+        split(ranks, [(d, doc_lengths[d]) for d in order[:spilled]], tail_largest=tail_largest)
+        layouts.append((ranks.shards, ranks.tokens, ranks.work))
+    assert layouts[0] == layouts[1]

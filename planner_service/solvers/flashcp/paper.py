@@ -147,14 +147,31 @@ def split_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], *, tail_largest:
     pieces before it); otherwise the lightest head goes to the most loaded rank and the
     heavy tail to the least loaded (Algorithm 1's Whole-Doc sharding, for balance).
     The roomiest ranks come from a max-heap of (room, rank): O(N + k log N) per doc for
-    its k pieces.
+    its k pieces; a doc the roomiest rank holds whole goes there in one piece (both
+    orders give that), O(log N).
     """
     if not spill:
         return
     cap = ranks.capacity
-    roomiest = [(t - cap, r) for r, t in enumerate(ranks.tokens) if t < cap]  # (-room, rank)
+    shards, tokens, work, whole = ranks.shards, ranks.tokens, ranks.work, ranks.whole
+    roomiest = [(t - cap, r) for r, t in enumerate(tokens) if t < cap]  # (-room, rank)
     heapq.heapify(roomiest)
+    # Each rank has at most one entry, so the entries are distinct and the heap pops the
+    # least of its entries whatever their order in the list (heapreplace: pop, then push).
+    heapreplace, heappop = heapq.heapreplace, heapq.heappop
     for doc, length in spill:
+        if roomiest and 0 < length <= -roomiest[0][0]:
+            # The roomiest rank holds the doc: one piece, whole, in either piece order.
+            rank = roomiest[0][1]
+            shards[rank].append(new_shard(Shard, (doc, 0, length)) if whole is None
+                                else whole[doc])
+            tokens[rank] += length
+            work[rank] += (length + 1) * length // 2
+            if tokens[rank] < cap:
+                heapreplace(roomiest, (tokens[rank] - cap, rank))
+            else:
+                heappop(roomiest)
+            continue
         chosen = []
         covered = 0
         while roomiest and covered < length:

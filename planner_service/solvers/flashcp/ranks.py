@@ -30,9 +30,10 @@ def whole_shards(doc_lengths: Sequence[int], docs: Sequence[int] | None = None) 
     lengths as ``doc_lengths`` holds them, the figures a shard built per doc would hold.
     O(D)."""
     if docs is None:
-        return list(map(Shard, range(len(doc_lengths)), repeat(0), doc_lengths))
-    return dict(zip(docs, map(Shard, docs, repeat(0), map(doc_lengths.__getitem__, docs)),
-                    strict=True))
+        return list(map(new_shard, repeat(Shard), zip(range(len(doc_lengths)), repeat(0),
+                                                      doc_lengths)))
+    return dict(zip(docs, map(new_shard, repeat(Shard), zip(
+        docs, repeat(0), map(doc_lengths.__getitem__, docs))), strict=True))
 
 
 class Ranks:
