@@ -74,6 +74,7 @@ from planner_service.solvers.flashcp.paper import MAX_PER_DOC, algorithm1
 from planner_service.solvers.flashcp.place import finish, place
 from planner_service.solvers.flashcp.ranks import Ranks, measure, whole_shards, zigzagged
 from planner_service.solvers.flashcp.refine import descend
+from planner_service.solvers.gc_pause import paused_gc
 
 
 class Pass(NamedTuple):
@@ -336,8 +337,12 @@ def flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
     """Strategy ``flashcp``: the request's R and exchange (``comm_mode``, default
     all-to-all-v); the info declares a missed R (``balance.declared``)."""
     mode = request.comm_mode or "alltoallv"
-    solved = flashcp_solve(doc_lengths, request.cp_size, request.imbalance_target,
-                           comm_mode=mode)
+    # The collector paused as ``registry.solve`` pauses it (``gc_pause.py``), also for
+    # callers of the strategy itself: a large request builds hundreds of thousands of
+    # shard tuples, and each young-generation collection would scan them for nothing.
+    with paused_gc():
+        solved = flashcp_solve(doc_lengths, request.cp_size, request.imbalance_target,
+                               comm_mode=mode)
     return Layout(
         groups=[GroupLayout(tuple(range(request.cp_size)), solved.shards)],
         info=declared({"per_doc_docs": solved.per_doc,
