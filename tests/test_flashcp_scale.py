@@ -14,12 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.scale import mixed_lengths
 from planner_service.core.cost import alltoallv_receives, doc_workload
 from planner_service.core.request import PlanRequest, debug_request
 from planner_service.core.validate import validate_plan
 from planner_service.data import make_source, pack_sequences
 from planner_service.solvers.flashcp import algorithm1, nested, paper, place
-from planner_service.solvers.flashcp.ranks import Ranks, zigzag
+from planner_service.solvers.flashcp.ranks import Ranks, whole_shards, zigzag
 from planner_service.solvers.registry import get_strategy, solve
 
 ADVERSARIAL = [
@@ -410,7 +411,9 @@ def test_whole_doc_runs_in_blocks_equal_the_plain_scan(seed, monkeypatch):
     cap = -(-sum(doc_lengths) // n)
     layouts = []
     for whole in (paper.whole_doc, reference_whole_doc):
-        ranks = Ranks(n, cap)
+        # The shared whole shards (``ranks.whole_shards``) on every other even seed.
+        ranks = Ranks(n, cap, whole_shards(doc_lengths) if whole is paper.whole_doc
+                      and seed % 4 == 0 else None)
         for doc in order[:zigzagged]:
             zigzag(ranks, list(range(n)), doc, doc_lengths[doc])
         whole(ranks, [(d, doc_lengths[d]) for d in order[zigzagged:]])
@@ -438,3 +441,19 @@ def test_split_spill_of_docs_that_fit_equals_the_plain_scan(doc_lengths, n, spil
         split(ranks, [(d, doc_lengths[d]) for d in order[:spilled]], tail_largest=tail_largest)
         layouts.append((ranks.shards, ranks.tokens, ranks.work))
     assert layouts[0] == layouts[1]
+
+
+@pytest.mark.parametrize("source", ["wlbllm", "code"])
+def test_place_with_shared_whole_shards_equals_place_without(source):
+    """``place.place`` gives the same layout whether the docs' whole shards are shared
+    (``ranks.whole_shards``) or made as each doc is placed."""
+    doc_lengths = mixed_lengths(source, 3000, 60_000)
+    n = 256
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    total = sum(map(doc_workload, doc_lengths))
+    for fill_aware in (False, True):
+        made, made_spill = place.place(doc_lengths, order, n, 1.05 * total / n, fill_aware, total)
+        shared, shared_spill = place.place(doc_lengths, order, n, 1.05 * total / n, fill_aware,
+                                           total, whole=whole_shards(doc_lengths))
+        assert (made.shards, made.tokens, made.work, made_spill) == (
+            shared.shards, shared.tokens, shared.work, shared_spill)

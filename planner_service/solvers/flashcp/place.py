@@ -42,10 +42,11 @@ from itertools import islice
 import numpy as np
 
 from planner_service.core.cost import alltoallv_receives, imbalance
+from planner_service.core.plan import Shard
 from planner_service.solvers.flashcp.few import place_run
 from planner_service.solvers.flashcp.nested import nested_zigzag
 from planner_service.solvers.flashcp.paper import split_spill
-from planner_service.solvers.flashcp.ranks import Ranks, Whole, whole_shards, zigzag
+from planner_service.solvers.flashcp.ranks import Ranks, Whole, new_shard, zigzag
 from planner_service.solvers.flashcp.refine import exchange
 from planner_service.solvers.flashcp.runs import (
     EXACT,
@@ -90,13 +91,11 @@ def place(
 ) -> tuple[Ranks, list[tuple[int, int]]]:
     """The layout so far and the docs left to split for tokens (module docstring;
     ``total_work``: the docs' total workload; ``lengths``: ``doc_lengths`` as an int64
-    array, if at hand; ``whole``: the docs' whole shards, if at hand, else made here for
-    the docs of ``order``: ``ranks.whole_shards``)."""
+    array, if at hand; ``whole``: the docs' whole shards, if at hand: ``ranks.Whole``,
+    else each made as its doc is placed)."""
     rest_tokens = sum(doc_lengths)
     rest_work = total_work
     cap = -(-rest_tokens // n)
-    if whole is None:
-        whole = whole_shards(doc_lengths, order)
     ranks = Ranks(n, cap, whole)
     shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
     spill: list[tuple[int, int]] = []
@@ -195,7 +194,8 @@ def place(
                 break
         if best >= 0 and work[best] + doc_work <= allowed:
             # ranks.add(best, doc, 0, length) inlined: most docs take this path.
-            shards[best].append(whole[doc])
+            shards[best].append(new_shard(Shard, (doc, 0, length)) if whole is None
+                                else whole[doc])
             tokens[best] += length
             work[best] += doc_work
             version[best] += 1

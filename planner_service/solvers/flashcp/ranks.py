@@ -7,7 +7,7 @@ O(s).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from itertools import accumulate, repeat
 from operator import itemgetter
 
@@ -19,21 +19,17 @@ new_shard = tuple.__new__
 ``__new__`` (hot paths)."""
 
 
-Whole = Sequence[Shard] | Mapping[int, Shard]
+Whole = Sequence[Shard]
 """Each doc's whole shard (doc, 0, its length), indexed by doc: shared by the layouts of one
 solve (shards are immutable tuples), so placing a doc whole appends a reference instead of
 building a tuple (``whole_shards``)."""
 
 
-def whole_shards(doc_lengths: Sequence[int], docs: Sequence[int] | None = None) -> Whole:
-    """``Whole`` for every doc (a list), or for the given ``docs`` only (a dict); the
-    lengths as ``doc_lengths`` holds them, the figures a shard built per doc would hold.
-    O(D)."""
-    if docs is None:
-        return list(map(new_shard, repeat(Shard), zip(range(len(doc_lengths)), repeat(0),
-                                                      doc_lengths)))
-    return dict(zip(docs, map(new_shard, repeat(Shard), zip(
-        docs, repeat(0), map(doc_lengths.__getitem__, docs))), strict=True))
+def whole_shards(doc_lengths: Sequence[int]) -> list[Shard]:
+    """``Whole`` for every doc: (doc, 0, its length as ``doc_lengths`` holds it), the
+    figures a shard made as the doc is placed would hold. O(D)."""
+    return list(map(new_shard, repeat(Shard), zip(range(len(doc_lengths)), repeat(0),
+                                                  doc_lengths)))
 
 
 class Ranks:

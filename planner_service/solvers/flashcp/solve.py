@@ -262,10 +262,13 @@ def flashcp_solve(
             return _choose([Found(receive, 0, ranks, False, doubled)], doc_lengths, n, target,
                            total_work, allowed, steps, comm_mode, cost)
         fallback = (imb, ranks)
-    # Every doc's whole shard, shared by the layouts below (``ranks.Whole``).
-    whole = whole_shards(doc_lengths)
+    # Every doc's whole shard, shared by the layouts after the first (``ranks.Whole``):
+    # made once a second layout is to be built (most large requests need one).
+    whole: list[Shard] | None = None
     if n > 1:
-        for batch in passes(doc_lengths, order, n, allowed):
+        for count, batch in enumerate(passes(doc_lengths, order, n, allowed)):
+            if count and whole is None:
+                whole = whole_shards(doc_lengths)
             found: list[Found] = []
             for spec in batch:
                 placed, spill = place(doc_lengths, spec.order, n, allowed, spec.fill_aware,
@@ -285,6 +288,8 @@ def flashcp_solve(
             if found:
                 return _choose(found, doc_lengths, n, target, total_work, allowed, steps,
                                comm_mode, cost)
+    if whole is None:
+        whole = whole_shards(doc_lengths)
     rounds = paper_rounds(len(doc_lengths), n)
     imb, ranks, _ = algorithm1(doc_lengths, n, target, max_per_doc=rounds, whole=whole)
     more = paper_rounds(len(doc_lengths), n, PAPER_RETRY_WORK)
