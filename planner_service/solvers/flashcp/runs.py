@@ -37,6 +37,9 @@ is below ``EXACT``.
     the run's length only (a round robin), blocks pass. Where the ranks' token counts
     differ widely, keys of ranks cross as d falls, and a block across a crossing fails:
     it is halved, and below ``RUN_BLOCK[0]`` docs the next docs go one at a time.
+    Before the prediction, ``first_apart`` checks in O(N) conditions the certificate
+    implies (the first doc before every rank's next doc; the docs that open the
+    sequence, each before the next), so most blocks that would fail cost only that.
     O((K + N) log(K + N)) per block.
   * One at a time (``single_steps``: after failed blocks, for densities above h, which
     only orders other than longest first give, and for flat keys too large for float64
@@ -292,6 +295,9 @@ def sloped_block(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
         return np.zeros(0, dtype=np.int64), True
     if not doc_work - length * float(densities[0]) > 0:
         return None  # keys too close to flat for the prediction's phases
+    if not first_apart(work, tokens, fits, cap, length, count, float(densities[0]),
+                       float(densities.min()), float(densities.max())):
+        return None  # the certificate below would fail (``first_apart``)
     rank, heavy, long = predicted(work, tokens, fits, length, float(densities[0]), count)
     given = np.bincount(rank, minlength=len(work))
     # Each rank's docs in the block are its next ones, in order.
@@ -316,6 +322,42 @@ def sloped_block(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
     if not within.all():
         return rank[:int(np.argmin(within))], True
     return rank, count < len(densities)
+
+
+def first_apart(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, cap: int,
+                length: int, count: int, density: float, low: float,
+                high: float) -> bool:
+    """Necessary conditions of ``sloped_block``'s certificate, cheap to check first, at a
+    margin no larger than the certificate's (its largest workload is at least that of any
+    rank with room). The first predicted doc (the next doc of the rank of least key at
+    ``density``, ties to the lowest rank) must lie before every other rank's next doc by
+    ``certified``'s rule: every rank with room has its next doc in the certified
+    sequence, where order is transitive. And the ranks' next docs of keys below the least
+    plus s = w - L x density (before any rank's second doc: keys rise by s per doc) open
+    the predicted sequence in key order, so up to the block's ``count`` docs each must
+    lie before the next. A block failing either fails the certificate; False only costs
+    the block (docs then go one at a time, by the same rule). O(N) in numpy, plus the
+    sort of those first docs."""
+    active = np.flatnonzero(fits)
+    if len(active) < 2:
+        return True
+    held, have = work[active], tokens[active]
+    keys = held.astype(np.float64) - have.astype(np.float64) * density
+    first = int(np.argmin(keys))
+    margin = MARGIN * (int(held.max()) + cap * high + 1)
+    fine = certified(held[first], have[first], active[first], held, have, active, low, high,
+                     margin)
+    fine[first] = True
+    if not fine.all():
+        return False
+    step = length * (length + 1) // 2 - length * density
+    opening = np.flatnonzero(keys < keys[first] + step)
+    if len(opening) < 3:
+        return True
+    opening = opening[np.lexsort((opening, keys[opening]))][:count]
+    a, b = opening[:-1], opening[1:]
+    return bool(certified(held[a], have[a], active[a], held[b], have[b], active[b], low, high,
+                          margin).all())
 
 
 def certified(first_heavy: np.ndarray | np.int64, first_long: np.ndarray | np.int64,
