@@ -226,21 +226,20 @@ def add_run(ranks: Ranks, chosen: np.ndarray, docs: Sequence[int], length: int) 
     given = np.bincount(chosen)
     changed = np.flatnonzero(given).tolist()
     shards, tokens, work, whole = ranks.shards, ranks.tokens, ranks.work, ranks.whole
-    if whole is not None:  # the docs' shards at hand (``ranks.Whole``): grouped by rank
-        held = np.asarray(docs, dtype=np.int64)[np.argsort(chosen, kind="stable")].tolist()
-        at = 0
-        for r, count in zip(changed, given[changed].tolist(), strict=True):
-            shards[r].extend(map(whole.__getitem__, held[at:at + count]))
-            at += count
-    elif len(chosen) < 4 * len(changed):  # few docs per rank: one by one
-        for doc, r in zip(docs, chosen.tolist(), strict=True):
-            shards[r].append(new_shard(Shard, (doc, 0, length)))
+    if len(chosen) < 4 * len(changed):  # few docs per rank: one by one
+        if whole is None:
+            for doc, r in zip(docs, chosen.tolist(), strict=True):
+                shards[r].append(new_shard(Shard, (doc, 0, length)))
+        else:  # the docs' shards at hand (``ranks.Whole``)
+            for doc, r in zip(docs, chosen.tolist(), strict=True):
+                shards[r].append(whole[doc])
     else:  # the docs grouped by rank, in order (a stable sort), one extend per rank
         held = np.asarray(docs, dtype=np.int64)[np.argsort(chosen, kind="stable")].tolist()
         at = 0
         for r, count in zip(changed, given[changed].tolist(), strict=True):
-            shards[r].extend(map(new_shard, repeat(Shard),
-                                 zip(held[at:at + count], repeat(0), repeat(length))))
+            part = held[at:at + count]
+            shards[r].extend(map(new_shard, repeat(Shard), zip(part, repeat(0), repeat(length)))
+                             if whole is None else map(whole.__getitem__, part))
             at += count
     doc_work = length * (length + 1) // 2
     for r, count in zip(changed, given[changed].tolist(), strict=True):
