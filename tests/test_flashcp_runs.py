@@ -229,3 +229,31 @@ def test_first_apart_spares_only_failing_blocks_of_mixed_lengths(monkeypatch):
     monkeypatch.setattr(runs, "sloped_block", both)
     place.place(doc_lengths, order, 1024, 1.05 * total / 1024, False, total)
     assert seen["certified"] and seen["failed"] and 2 * seen["spared"] > seen["failed"], seen
+
+
+@pytest.mark.parametrize("n", (1, 2, 9, 100, 1024))
+@pytest.mark.parametrize("seed", range(16))
+def test_single_steps_over_ranks_with_room_equal_the_scan_of_every_rank(n, seed):
+    """``single_steps`` (the ranks with room only) gives ``single_steps_reference``'s
+    ranks and stop: full ranks among the others, every rank running out of room, equal
+    states (ties), one doc, thousands of 1-token docs, more ranks than tokens, densities
+    above (L + 1) / 2."""
+    rng = random.Random(seed)
+    length = (1, 1, 2, 7, 30)[seed % 5]
+    kind = ("empty", "levels", "random")[seed % 3]
+    held = held_before(rng, n, kind, length)
+    top = max(t for t, _ in held)
+    cap = top + rng.choice((0, length, 3 * length, 40 * length))
+    if seed % 4 == 0:  # some ranks full
+        held = [(cap, w) if rng.random() < 0.4 else (t, w) for t, w in held]
+    count = (1, 5, 300, 3000)[seed % 4] if n < 1024 else (1, 300, 1200)[seed % 3]
+    work = np.array([w for _, w in held], dtype=np.int64)
+    tokens = np.array([t for t, _ in held], dtype=np.int64)
+    later = [rng.randint(1, 3 * length) for _ in range(rng.choice((0, 5, 100)))]
+    rest_tokens = count * length + sum(later)
+    rest_work = count * doc_workload(length) + sum(map(doc_workload, later))
+    allowed = rng.choice((1.0, 1.3, 1e18)) * (rest_work + int(work.sum())) / n
+    densities = runs.run_densities(length, count, rest_tokens, rest_work)
+    got = runs.single_steps(work, tokens, cap, length, allowed, densities)
+    want = runs.single_steps_reference(work, tokens, cap, length, allowed, densities)
+    assert got[0].tolist() == want[0].tolist() and got[1] == want[1]

@@ -195,9 +195,47 @@ def single_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
     """The ranks of the next docs (one per density) by the rule one doc at a time: the
     least key work - tokens x d (float64, as ``place`` computes it: both figures exact
     below 2^53; ties: the lowest rank, ``np.argmin``'s first) among the ranks with room;
+    (ranks, stopped at a doc no rank takes whole). Only the ranks with room for a doc at
+    the start are scanned, in rank order (token counts only grow: the others never have
+    room again), so ties still go to the lowest rank; one that runs out of room keeps
+    work inf (inf - x is inf: never the least), and once every one has, the stop comes
+    as in ``single_steps_reference`` (its least rank has no room). Two numpy calls and an
+    argmin per doc over the ranks with room: O(N) per doc."""
+    doc_work = length * (length + 1) // 2
+    most = cap - length
+    room = np.flatnonzero(tokens <= most)
+    if not len(room):
+        return np.zeros(0, dtype=np.int64), True
+    rank_of = room.tolist()
+    held, have = work[room].tolist(), tokens[room].tolist()
+    heavy = work[room].astype(np.float64)
+    long = tokens[room].astype(np.float64)
+    keys = np.empty(len(room))
+    multiply, subtract = np.multiply, np.subtract
+    chosen: list[int] = []
+    for density in densities.tolist():
+        multiply(long, density, out=keys)
+        subtract(heavy, keys, out=keys)
+        j = int(keys.argmin())
+        if have[j] > most or held[j] + doc_work > allowed:
+            return np.array(chosen, dtype=np.int64), True
+        chosen.append(rank_of[j])
+        held[j] += doc_work
+        have[j] += length
+        heavy[j] = held[j] if have[j] <= most else np.inf
+        long[j] = have[j]
+    return np.array(chosen, dtype=np.int64), False
+
+
+def single_steps_reference(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
+                 densities: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The ranks of the next docs (one per density) by the rule one doc at a time: the
+    least key work - tokens x d (float64, as ``place`` computes it: both figures exact
+    below 2^53; ties: the lowest rank, ``np.argmin``'s first) among the ranks with room;
     (ranks, stopped at a doc no rank takes whole). A rank without room keeps work inf
     (inf - x is inf: never the least); the others' keys are as computed. Two numpy calls
-    and an argmin per doc: O(N) per doc."""
+    and an argmin per doc over every rank: O(N) per doc (``single_steps`` over the ranks
+    with room only)."""
     doc_work = length * (length + 1) // 2
     most = cap - length
     held, have = work.tolist(), tokens.tolist()
