@@ -105,10 +105,9 @@ def zigzagged(ranks: Ranks) -> list[int]:
     docs are scanned one by one only if some doc repeats on it."""
     out: set[int] = set()
     for shards in ranks.shards:
-        docs = list(map(_doc_of, shards))
-        if len(set(docs)) < len(docs):
+        if len(set(map(_doc_of, shards))) < len(shards):
             seen: set[int] = set()
-            for doc in docs:
+            for doc, _, _ in shards:
                 if doc in seen:
                     out.add(doc)
                 else:
