@@ -257,3 +257,19 @@ def test_single_steps_over_ranks_with_room_equal_the_scan_of_every_rank(n, seed)
     got = runs.single_steps(work, tokens, cap, length, allowed, densities)
     want = runs.single_steps_reference(work, tokens, cap, length, allowed, densities)
     assert got[0].tolist() == want[0].tolist() and got[1] == want[1]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_run_densities_from_a_start_are_the_slice_of_all(seed):
+    """``runs.run_densities`` from the ``start``-th doc on: the same figures as the slice
+    of the densities from the run's first doc (to the last doc, density 0.0)."""
+    rng = random.Random(seed)
+    length = rng.randint(1, 40)
+    count = rng.randint(1, 5000)
+    later = [rng.randint(1, 2 * length) for _ in range(rng.choice((0, 3, 300)))]
+    rest_tokens = count * length + sum(later)
+    rest_work = count * doc_workload(length) + sum(map(doc_workload, later))
+    every = runs.run_densities(length, count, rest_tokens, rest_work)
+    for start in (0, 1, rng.randint(0, count - 1), count - 1):
+        part = runs.run_densities(length, count - start, rest_tokens, rest_work, start)
+        assert part.tobytes() == every[start:].tobytes()

@@ -114,11 +114,13 @@ def run_heads(doc_lengths: Sequence[int] | np.ndarray,
                                                       strict=True)}
 
 
-def run_densities(length: int, count: int, rest_tokens: int, rest_work: int) -> np.ndarray:
+def run_densities(length: int, count: int, rest_tokens: int, rest_work: int,
+                  start: int = 0) -> np.ndarray:
     """The density after each of the next ``count`` docs of ``length`` tokens, as ``place``
     computes it (the docs left's workload / tokens, 0.0 once none is left; exact: both
-    below 2^53, one rounding). O(count) in numpy."""
-    steps = np.arange(1, count + 1, dtype=np.int64)
+    below 2^53, one rounding), from the ``start``-th doc on (the docs before it placed
+    too). O(count) in numpy."""
+    steps = np.arange(start + 1, start + count + 1, dtype=np.int64)
     left_tokens = rest_tokens - steps * length
     left_work = rest_work - steps * (length * (length + 1) // 2)
     out = np.zeros(count)
@@ -141,26 +143,38 @@ def place_run_exact(
     docs go one at a time (``single_steps``), ``RUN_BLOCK[0]`` of them before blocks
     are tried again, twice as many after each block that fails in a row. O((K + N)
     log(K + N)) per block of K docs, O(N) per doc one at a time, O(N + K) to start and
-    to add the shards."""
+    to add the shards. The densities are computed as far as the docs looked at, in
+    doubling steps (a run stopped early costs O(docs placed), not O(K))."""
     n = len(ranks.work)
     doc_work = length * (length + 1) // 2
     cap = ranks.capacity
     work = np.array(ranks.work, dtype=np.int64)
     tokens = np.array(ranks.tokens, dtype=np.int64)
-    densities = run_densities(length, len(docs), rest_tokens, rest_work)
+    densities = run_densities(length, min(len(docs), RUN_BLOCK[1]), rest_tokens, rest_work)
+
+    def known(end: int) -> np.ndarray:
+        """The densities after docs placed .. end - 1 (at most to the run's end)."""
+        nonlocal densities
+        have = len(densities)
+        if end > have:
+            more = min(len(docs), max(end, 2 * have)) - have
+            densities = np.concatenate(
+                (densities, run_densities(length, more, rest_tokens, rest_work, have)))
+        return densities[placed:end]
     half = (length + 1) / 2
     flat_exact = (int(work.max(initial=0)) + len(docs) * doc_work < FLAT_LIMIT
                   and cap * (length + 1) < FLAT_LIMIT)
     picks: list[np.ndarray] = []
     placed, block, steps, burst = 0, RUN_BLOCK[0], 0, RUN_BLOCK[0]
     while placed < len(docs):
-        rest = densities[placed:]
-        if rest[0] == half and flat_exact:
+        now = float(known(placed + 1)[0])
+        if now == half and flat_exact:
+            rest = known(len(docs))
             count = int(np.argmin(rest == half)) if not (rest == half).all() else len(rest)
             chosen, stop = flat_block(work, tokens, cap, length, allowed, half, count)
-        elif rest[0] < half and not steps:
+        elif now < half and not steps:
             # The sloped docs of the block: every density below h.
-            span = rest[:block]
+            span = known(placed + block)
             count = int(np.argmin(span < half)) if not (span < half).all() else len(span)
             found = sloped_block(work, tokens, cap, length, allowed, span[:count])
             if found is None:  # not certified: a smaller block, or docs one at a time
@@ -172,8 +186,9 @@ def place_run_exact(
             chosen, stop = found
             block, burst = min(2 * block, EXACT_BLOCK), RUN_BLOCK[0]
         else:  # one at a time: after a failed block, above h, or flat keys that would round
-            count = min(steps or RUN_BLOCK[1], len(rest))
-            chosen, stop = single_steps(work, tokens, cap, length, allowed, rest[:count])
+            count = min(steps or RUN_BLOCK[1], len(docs) - placed)
+            chosen, stop = single_steps(work, tokens, cap, length, allowed,
+                                        known(placed + count))
             steps = max(0, steps - count)
         if len(chosen):
             given = np.bincount(chosen, minlength=n)
