@@ -64,3 +64,18 @@ def test_bulk_not_tried_on_few_docs() -> None:
     assert not bulk.bulk_applies(np.full(100000, 20, dtype=np.int64), 8)  # one equal run
     two = np.array([21] * 97152 + [20] * 2848, dtype=np.int64)
     assert not bulk.bulk_applies(two, 1024)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sorted_union_equals_numpy_union(seed: int) -> None:
+    """``bulk.sorted_union`` gives ``np.union1d``'s array (values and dtype): sorted runs
+    as ``cut`` passes them, unsorted values with repeats, one side or both empty."""
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(0, 3000))
+    starts = np.cumsum(rng.integers(1, 40, size), dtype=np.int64)
+    picks = np.sort(rng.choice(max(1, size * 20), int(rng.integers(0, 200)))).astype(np.int64)
+    loose = rng.integers(-5, 50, int(rng.integers(0, 100))).astype(np.int64)
+    for a, b in ((starts, picks), (picks, starts), (loose, picks), (starts[:0], loose),
+                 (starts[:0], starts[:0]), (starts, starts)):
+        got, want = bulk.sorted_union(a, b), np.union1d(a, b)
+        assert got.dtype == want.dtype and np.array_equal(got, want)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_flashcp_scale import reference_place
 
+from bench.scale import mixed_lengths
 from planner_service.core.cost import doc_workload
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.flashcp import place, runs
@@ -171,3 +172,104 @@ def test_two_million_tokens_in_100000_docs_on_1024_ranks_solve_and_validate():
     plan = solve(PlanRequest(doc_lengths=doc_lengths, cp_size=1024, context_length=None))
     assert plan.metrics.tokens_per_rank == 2048
     assert plan.metrics.imbalance <= 1.05
+
+
+@pytest.mark.parametrize("n", RANKS)
+@pytest.mark.parametrize("seed", range(24))
+def test_first_apart_holds_wherever_the_certificate_passes(n, seed, monkeypatch):
+    """``runs.first_apart`` is a necessary condition of ``sloped_block``'s certificate:
+    every block certified without it passes it (so it only spares failing blocks), from
+    empty, round-robin and random layouts, blocks of 1 to 512 docs."""
+    length, held, count, cap, rest_tokens, rest_work, allowed = run_case(seed, n)
+    work = np.array([w for _, w in held], dtype=np.int64)
+    tokens = np.array([t for t, _ in held], dtype=np.int64)
+    densities = runs.run_densities(length, count, rest_tokens, rest_work)
+    densities = densities[:max(1, int(np.argmin(densities < (length + 1) / 2)))]
+    real = runs.first_apart
+    monkeypatch.setattr(runs, "first_apart", lambda *args: True)
+    checked = 0
+    for block in (1, 2, 64, 512):
+        span = densities[:block]
+        if not (span < (length + 1) / 2).all():
+            continue
+        found = runs.sloped_block(work, tokens, cap, length, allowed, span)
+        fits = np.maximum((cap - tokens) // length, 0)
+        if found is not None and int(fits.sum()):
+            checked += 1
+            assert real(work, tokens, fits, cap, length, min(len(span), int(fits.sum())),
+                        float(span[0]), float(span.min()), float(span.max()))
+
+
+def test_first_apart_spares_only_failing_blocks_of_mixed_lengths(monkeypatch):
+    """On mixed lengths at many ranks (keys of ranks cross as the density falls), every
+    block ``place`` tries: certified without ``runs.first_apart`` only if it passes it;
+    many fail the certificate, most of them spared by it."""
+    doc_lengths = mixed_lengths("code", 20000, 400_000)
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    total = sum(map(doc_workload, doc_lengths))
+    real, sloped = runs.first_apart, runs.sloped_block
+    seen = {"certified": 0, "failed": 0, "spared": 0}
+
+    def both(work, tokens, cap, length, allowed, densities):
+        monkeypatch.setattr(runs, "first_apart", lambda *args: True)
+        without = sloped(work, tokens, cap, length, allowed, densities)
+        monkeypatch.setattr(runs, "first_apart", real)
+        fits = np.maximum((cap - tokens) // length, 0)
+        count = min(len(densities), int(fits.sum()))
+        apart = not count or real(work, tokens, fits, cap, length, count, float(densities[0]),
+                                  float(densities.min()), float(densities.max()))
+        if without is not None and count:
+            seen["certified"] += 1
+            assert apart
+        elif without is None:
+            seen["failed"] += 1
+            seen["spared"] += not apart
+        return sloped(work, tokens, cap, length, allowed, densities)
+
+    monkeypatch.setattr(runs, "sloped_block", both)
+    place.place(doc_lengths, order, 1024, 1.05 * total / 1024, False, total)
+    assert seen["certified"] and seen["failed"] and 2 * seen["spared"] > seen["failed"], seen
+
+
+@pytest.mark.parametrize("n", (1, 2, 9, 100, 1024))
+@pytest.mark.parametrize("seed", range(16))
+def test_single_steps_over_ranks_with_room_equal_the_scan_of_every_rank(n, seed):
+    """``single_steps`` (the ranks with room only) gives ``single_steps_reference``'s
+    ranks and stop: full ranks among the others, every rank running out of room, equal
+    states (ties), one doc, thousands of 1-token docs, more ranks than tokens, densities
+    above (L + 1) / 2."""
+    rng = random.Random(seed)
+    length = (1, 1, 2, 7, 30)[seed % 5]
+    kind = ("empty", "levels", "random")[seed % 3]
+    held = held_before(rng, n, kind, length)
+    top = max(t for t, _ in held)
+    cap = top + rng.choice((0, length, 3 * length, 40 * length))
+    if seed % 4 == 0:  # some ranks full
+        held = [(cap, w) if rng.random() < 0.4 else (t, w) for t, w in held]
+    count = (1, 5, 300, 3000)[seed % 4] if n < 1024 else (1, 300, 1200)[seed % 3]
+    work = np.array([w for _, w in held], dtype=np.int64)
+    tokens = np.array([t for t, _ in held], dtype=np.int64)
+    later = [rng.randint(1, 3 * length) for _ in range(rng.choice((0, 5, 100)))]
+    rest_tokens = count * length + sum(later)
+    rest_work = count * doc_workload(length) + sum(map(doc_workload, later))
+    allowed = rng.choice((1.0, 1.3, 1e18)) * (rest_work + int(work.sum())) / n
+    densities = runs.run_densities(length, count, rest_tokens, rest_work)
+    got = runs.single_steps(work, tokens, cap, length, allowed, densities)
+    want = runs.single_steps_reference(work, tokens, cap, length, allowed, densities)
+    assert got[0].tolist() == want[0].tolist() and got[1] == want[1]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_run_densities_from_a_start_are_the_slice_of_all(seed):
+    """``runs.run_densities`` from the ``start``-th doc on: the same figures as the slice
+    of the densities from the run's first doc (to the last doc, density 0.0)."""
+    rng = random.Random(seed)
+    length = rng.randint(1, 40)
+    count = rng.randint(1, 5000)
+    later = [rng.randint(1, 2 * length) for _ in range(rng.choice((0, 3, 300)))]
+    rest_tokens = count * length + sum(later)
+    rest_work = count * doc_workload(length) + sum(map(doc_workload, later))
+    every = runs.run_densities(length, count, rest_tokens, rest_work)
+    for start in (0, 1, rng.randint(0, count - 1), count - 1):
+        part = runs.run_densities(length, count - start, rest_tokens, rest_work, start)
+        assert part.tobytes() == every[start:].tobytes()

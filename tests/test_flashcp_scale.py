@@ -4,6 +4,7 @@ slow strategies' libraries."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from dataclasses import replace
@@ -13,12 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.scale import mixed_lengths
 from planner_service.core.cost import alltoallv_receives, doc_workload
 from planner_service.core.request import PlanRequest, debug_request
 from planner_service.core.validate import validate_plan
 from planner_service.data import make_source, pack_sequences
 from planner_service.solvers.flashcp import algorithm1, nested, paper, place
-from planner_service.solvers.flashcp.ranks import Ranks, zigzag
+from planner_service.solvers.flashcp.ranks import Ranks, whole_shards, zigzag
 from planner_service.solvers.registry import get_strategy, solve
 
 ADVERSARIAL = [
@@ -377,3 +379,81 @@ def test_place_with_long_runs_of_equal_docs_equals_the_plain_scan(runs, n, targe
     slow, slow_spill = reference_place(doc_lengths, order, n, allowed, fill_aware, total)
     assert fast.shards == slow.shards and fast_spill == slow_spill
     assert (fast.tokens, fast.work) == (slow.tokens, slow.work)
+
+
+def whole_doc_case(seed: int) -> tuple[list[int], int, int]:
+    """(doc lengths, ranks, docs zigzagged first) with long runs of equal docs: mixed
+    lengths, thousands of 1-token docs, ties from empty ranks, more ranks than tokens."""
+    rng = random.Random(seed)
+    n = (1, 3, 8, 100, 1024)[seed % 5]
+    kind = seed % 4
+    if kind == 0:  # runs of a few lengths, some longer docs first
+        lengths = [rng.randint(100, 4000) for _ in range(rng.randint(0, 30))]
+        for length in rng.sample(range(1, 60), 4):
+            lengths += [length] * rng.randint(1, 1500)
+    elif kind == 1:  # thousands of 1-token docs
+        lengths = [1] * rng.randint(1, 4000) + [rng.randint(1, 50) for _ in range(20)]
+    elif kind == 2:  # more ranks than tokens, or one doc
+        lengths = [1] * rng.randint(1, max(1, n // 2)) if seed % 2 else [rng.randint(1, 500)]
+    else:  # one long run on empty ranks (every rank ties)
+        lengths = [rng.randint(1, 9)] * rng.randint(128, 3000)
+    return lengths, n, rng.randint(0, 2) if kind == 0 else 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_whole_doc_runs_in_blocks_equal_the_plain_scan(seed, monkeypatch):
+    """Runs of equal docs placed in one block (``paper.lpt_run``; every run, with
+    ``WHOLE_RUN`` = 1, on the odd seeds) give the same layout as LPT doc by doc."""
+    if seed % 2:
+        monkeypatch.setattr(paper, "WHOLE_RUN", 1)
+    doc_lengths, n, zigzagged = whole_doc_case(seed)
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    cap = -(-sum(doc_lengths) // n)
+    layouts = []
+    for whole in (paper.whole_doc, reference_whole_doc):
+        # The shared whole shards (``ranks.whole_shards``) on every other even seed.
+        ranks = Ranks(n, cap, whole_shards(doc_lengths) if whole is paper.whole_doc
+                      and seed % 4 == 0 else None)
+        for doc in order[:zigzagged]:
+            zigzag(ranks, list(range(n)), doc, doc_lengths[doc])
+        whole(ranks, [(d, doc_lengths[d]) for d in order[zigzagged:]])
+        layouts.append((ranks.shards, ranks.tokens, ranks.work))
+    assert layouts[0] == layouts[1]
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+    doc_lengths=st.lists(st.integers(1, 300), min_size=1, max_size=60),
+    n=st.integers(1, 12),
+    spilled=st.integers(1, 60),
+    tail_largest=st.booleans(),
+)
+def test_split_spill_of_docs_that_fit_equals_the_plain_scan(doc_lengths, n, spilled, tail_largest):
+    """``paper.split_spill`` of docs some rank holds whole (one piece there) and of docs
+    that must be split, after LPT has placed the others, in both piece orders."""
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    cap = -(-sum(doc_lengths) // n) + 5
+    layouts = []
+    for whole, split in ((paper.whole_doc, paper.split_spill),
+                         (reference_whole_doc, reference_split_spill)):
+        ranks = Ranks(n, cap)
+        whole(ranks, [(d, doc_lengths[d]) for d in order[spilled:]])
+        split(ranks, [(d, doc_lengths[d]) for d in order[:spilled]], tail_largest=tail_largest)
+        layouts.append((ranks.shards, ranks.tokens, ranks.work))
+    assert layouts[0] == layouts[1]
+
+
+@pytest.mark.parametrize("source", ["wlbllm", "code"])
+def test_place_with_shared_whole_shards_equals_place_without(source):
+    """``place.place`` gives the same layout whether the docs' whole shards are shared
+    (``ranks.whole_shards``) or made as each doc is placed."""
+    doc_lengths = mixed_lengths(source, 3000, 60_000)
+    n = 256
+    order = sorted(range(len(doc_lengths)), key=lambda d: (-doc_lengths[d], d))
+    total = sum(map(doc_workload, doc_lengths))
+    for fill_aware in (False, True):
+        made, made_spill = place.place(doc_lengths, order, n, 1.05 * total / n, fill_aware, total)
+        shared, shared_spill = place.place(doc_lengths, order, n, 1.05 * total / n, fill_aware,
+                                           total, whole=whole_shards(doc_lengths))
+        assert (made.shards, made.tokens, made.work, made_spill) == (
+            shared.shards, shared.tokens, shared.work, shared_spill)

@@ -96,17 +96,21 @@ def rank_receive(shards: Sequence[Shard]) -> tuple[int, list[int]]:
     """One rank's all-to-all-v receive (``alltoallv_receives_reference``) and the docs it
     holds as two or more shards (unordered). O(s) for its s shards, at C speed where no
     doc repeats (most ranks): then each shard needs exactly the prefix below its start."""
-    docs = list(map(_doc_of, shards))
-    if len(set(docs)) == len(docs):
+    if len(set(map(_doc_of, shards))) == len(shards):
         return sum(map(_start_of, shards)), []
-    seen: set[int] = set()
+    # One pass: each doc's furthest end (``last_ends``), the docs met again, own tokens.
+    end: dict[int, int] = {}
     repeated: set[int] = set()
-    for doc in docs:
-        if doc in seen:
+    held = 0
+    for doc, a, b in shards:
+        held += b - a
+        if doc in end:
             repeated.add(doc)
+            if b > end[doc]:
+                end[doc] = b
         else:
-            seen.add(doc)
-    return sum(last_ends(shards).values()) - sum(b - a for _, a, b in shards), list(repeated)
+            end[doc] = b
+    return sum(end.values()) - held, list(repeated)
 
 
 def alltoallv_receives(shards_per_rank: Sequence[Sequence[Shard]]) -> list[int]:

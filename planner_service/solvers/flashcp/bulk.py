@@ -128,7 +128,7 @@ def cut(ranks: Ranks, docs: np.ndarray, lengths: np.ndarray,
     spans = np.array(sorted(intervals), dtype=np.int64)
     spans = spans[spans[:, 0] < total]  # empty runs at the stream's end
     starts = ends - lengths
-    points = np.union1d(starts[lengths > 0], spans[:, 0])
+    points = sorted_union(starts[lengths > 0], spans[:, 0])
     stops = np.append(points[1:], total)
     piece_doc = np.searchsorted(ends, points, side="right")
     piece_rank = spans[np.searchsorted(spans[:, 0], points, side="right") - 1, 2]
@@ -150,6 +150,18 @@ def cut(ranks: Ranks, docs: np.ndarray, lengths: np.ndarray,
             shards[r].extend(triples[edges[r]:edges[r + 1]])
             tokens[r] += t
             work[r] += w
+
+
+def sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.union1d(a, b)`` (the sorted distinct values of both) by one stable sort, which
+    merges the two sorted runs ``cut`` passes in linear time, then a mask of repeats:
+    O(n) on sorted inputs, O(n log n) on any (``np.unique``'s sort takes longer on 100,000
+    values)."""
+    both = np.concatenate((a, b))
+    if not len(both):
+        return both
+    both.sort(kind="stable")
+    return both[np.concatenate(([True], both[1:] != both[:-1]))]
 
 
 def cut_reference(ranks: Ranks, docs: Sequence[int], lengths: Sequence[int],

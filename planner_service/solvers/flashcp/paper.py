@@ -31,24 +31,52 @@ from planner_service.core.cost import doc_workload, imbalance
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.balance import declared
-from planner_service.solvers.flashcp.ranks import Ranks, new_shard
+from planner_service.solvers.flashcp.ranks import Ranks, Whole, new_shard, whole_shards
+from planner_service.solvers.flashcp.runs import add_run
 
 MAX_PER_DOC = 64
 """Upper bound on Per-Doc docs tried; imbalance left after that comes from integrality."""
+WHOLE_RUN = 128
+"""Equal docs in a row from which ``whole_doc`` places them in one block (``lpt_run``)."""
 
 
 def whole_doc(ranks: Ranks, docs: Sequence[tuple[int, int]]) -> None:
     """Place (doc, length) pairs, longest first, by Whole-Doc sharding (module docstring).
 
-    A min-heap of (workload, rank) over the ranks with room for the current doc; a rank
-    without room is parked (a max-heap by room) until a doc short enough for it comes, at
-    most once per doc it receives: O((D + N) log N)."""
+    Each doc goes to the rank of least (workload, rank) among those with room for it, a
+    choice that depends on the ranks' state alone. A min-heap of (workload, rank) over the
+    ranks with room for the current doc; a rank without room is parked (a max-heap by
+    room) until a doc short enough for it comes, at most once per doc it receives:
+    O((D + N) log N). Runs of at least ``WHOLE_RUN`` equal docs go in one block
+    (``lpt_run``), after which the heap is rebuilt from the state: O(N log(work) + K log K)
+    per run of K docs."""
+    spill: list[tuple[int, int]] = []
+    lengths = np.fromiter((length for _, length in docs), dtype=np.int64, count=len(docs))
+    starts = np.flatnonzero(np.concatenate(([True], lengths[1:] != lengths[:-1]))) if len(
+        docs) else np.zeros(0, dtype=np.int64)
+    sizes = np.diff(np.append(starts, len(docs)))
+    at = 0
+    for start, size in zip(starts[sizes >= WHOLE_RUN].tolist(), sizes[sizes >= WHOLE_RUN].tolist(),
+                           strict=True):
+        if start > at:
+            lpt_docs(ranks, docs[at:start], spill)
+        length = docs[start][1]
+        placed = lpt_run(ranks, [doc for doc, _ in docs[start:start + size]], length)
+        spill.extend(docs[start + placed:start + size])
+        at = start + size
+    if at < len(docs):
+        lpt_docs(ranks, docs[at:], spill)
+    split_spill(ranks, spill, tail_largest=False)
+
+
+def lpt_docs(ranks: Ranks, docs: Sequence[tuple[int, int]], spill: list[tuple[int, int]]) -> None:
+    """``whole_doc``'s heap over the given docs, from the ranks' state; the docs no rank
+    has room for are appended to ``spill``. O((D + N) log N)."""
     cap = ranks.capacity
-    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    shards, tokens, work, whole = ranks.shards, ranks.tokens, ranks.work, ranks.whole
     heap = [(w, r) for r, w in enumerate(work) if tokens[r] < cap]
     heapq.heapify(heap)
     parked: list[tuple[int, int]] = []  # (-room, rank)
-    spill = []
     heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
     # Every rank has at most one entry, so the entries are distinct and each heap pops the
     # least of its entries whatever their order in the list (heapreplace: pop, then push).
@@ -62,7 +90,8 @@ def whole_doc(ranks: Ranks, docs: Sequence[tuple[int, int]]) -> None:
         if heap:
             rank = heap[0][1]
             # ranks.add(rank, doc, 0, length) inlined.
-            shards[rank].append(new_shard(Shard, (doc, 0, length)))
+            shards[rank].append(new_shard(Shard, (doc, 0, length)) if whole is None
+                                else whole[doc])
             tokens[rank] += length
             work[rank] += length * (length + 1) // 2
             if tokens[rank] < cap:
@@ -71,7 +100,44 @@ def whole_doc(ranks: Ranks, docs: Sequence[tuple[int, int]]) -> None:
                 heappop(heap)
         else:
             spill.append((doc, length))
-    split_spill(ranks, spill, tail_largest=False)
+
+
+def lpt_run(ranks: Ranks, docs: Sequence[int], length: int) -> int:
+    """Place the leading docs of a run of equal docs (``length`` tokens each, in order) as
+    ``lpt_docs`` would, one by one: each to the rank of least (workload, rank) with room;
+    the docs placed (the others fit no rank). Rank r can take f_r = (cap - tokens) // L
+    more, its j-th at workload work + j w (w = L (L + 1) / 2, exact int64 figures), so the
+    K docs go to the K least (work + j w, rank) over r and j < f_r, in that order: the
+    least level v holding K of them is found by bisection (those below v, then the ranks
+    at v by rank). O(N log(the workloads' spread) + K log K)."""
+    doc_work = length * (length + 1) // 2
+    work = np.array(ranks.work, dtype=np.int64)
+    fits = np.maximum((ranks.capacity - np.array(ranks.tokens, dtype=np.int64)) // length, 0)
+    take = min(len(docs), int(fits.sum()))
+    if not take:
+        return 0
+    active = np.flatnonzero(fits)
+    held, room = work[active], fits[active]
+
+    def below(level: int) -> np.ndarray:  # per active rank, its docs at workload <= level
+        return np.clip((level - held) // doc_work + 1, 0, room)
+
+    low = int(held.min()) - 1  # no doc at or below it
+    high = int((held + (room - 1) * doc_work).max())  # every doc at or below it
+    while high - low > 1:
+        mid = (low + high) // 2
+        if int(below(mid).sum()) >= take:
+            high = mid
+        else:
+            low = mid
+    each = below(low)
+    at_level = np.flatnonzero(below(high) > each)  # one doc each at workload ``high``
+    each[at_level[:take - int(each.sum())]] += 1
+    rank = np.repeat(active, each)
+    nth = np.arange(len(rank)) - np.repeat(np.cumsum(each) - each, each)
+    chosen = rank[np.lexsort((rank, work[rank] + nth * doc_work))]
+    add_run(ranks, chosen, docs[:take], length)
+    return take
 
 
 def split_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], *, tail_largest: bool) -> None:
@@ -81,14 +147,31 @@ def split_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], *, tail_largest:
     pieces before it); otherwise the lightest head goes to the most loaded rank and the
     heavy tail to the least loaded (Algorithm 1's Whole-Doc sharding, for balance).
     The roomiest ranks come from a max-heap of (room, rank): O(N + k log N) per doc for
-    its k pieces.
+    its k pieces; a doc the roomiest rank holds whole goes there in one piece (both
+    orders give that), O(log N).
     """
     if not spill:
         return
     cap = ranks.capacity
-    roomiest = [(t - cap, r) for r, t in enumerate(ranks.tokens) if t < cap]  # (-room, rank)
+    shards, tokens, work, whole = ranks.shards, ranks.tokens, ranks.work, ranks.whole
+    roomiest = [(t - cap, r) for r, t in enumerate(tokens) if t < cap]  # (-room, rank)
     heapq.heapify(roomiest)
+    # Each rank has at most one entry, so the entries are distinct and the heap pops the
+    # least of its entries whatever their order in the list (heapreplace: pop, then push).
+    heapreplace, heappop = heapq.heapreplace, heapq.heappop
     for doc, length in spill:
+        if roomiest and 0 < length <= -roomiest[0][0]:
+            # The roomiest rank holds the doc: one piece, whole, in either piece order.
+            rank = roomiest[0][1]
+            shards[rank].append(new_shard(Shard, (doc, 0, length)) if whole is None
+                                else whole[doc])
+            tokens[rank] += length
+            work[rank] += (length + 1) * length // 2
+            if tokens[rank] < cap:
+                heapreplace(roomiest, (tokens[rank] - cap, rank))
+            else:
+                heappop(roomiest)
+            continue
         chosen = []
         covered = 0
         while roomiest and covered < length:
@@ -167,13 +250,17 @@ def _must_exceed(length: int, per_doc: Ranks, allowed: float) -> bool:
 
 
 def algorithm1(
-    doc_lengths: Sequence[int], n: int, target: float, *, max_per_doc: int = MAX_PER_DOC
+    doc_lengths: Sequence[int], n: int, target: float, *, max_per_doc: int = MAX_PER_DOC,
+    whole: Whole | None = None,
 ) -> tuple[float, Ranks, list[int]]:
-    """Algorithm 1 (module docstring): (imbalance, layout, Per-Doc docs ascending)."""
+    """Algorithm 1 (module docstring): (imbalance, layout, Per-Doc docs ascending);
+    ``whole``: the docs' whole shards, if at hand (``ranks.whole_shards``)."""
     # Longest first, ties by index (a stable sort of the negated lengths; lengths < 2^31).
     order = np.argsort(-np.array(doc_lengths, dtype=np.int64), kind="stable").tolist()
     allowed = target * sum(map(doc_workload, doc_lengths)) / n
-    per_doc = Ranks(n, -(-sum(doc_lengths) // n))  # the Per-Doc part, one more doc per k
+    # The Per-Doc part, one more doc per k.
+    per_doc = Ranks(n, -(-sum(doc_lengths) // n),
+                    whole_shards(doc_lengths) if whole is None else whole)
     best: tuple[float, Ranks, list[int]] | None = None
     for k in range(min(len(order), max_per_doc) + 1):
         if k:

@@ -46,7 +46,7 @@ from planner_service.core.plan import Shard
 from planner_service.solvers.flashcp.few import place_run
 from planner_service.solvers.flashcp.nested import nested_zigzag
 from planner_service.solvers.flashcp.paper import split_spill
-from planner_service.solvers.flashcp.ranks import Ranks, new_shard, zigzag
+from planner_service.solvers.flashcp.ranks import Ranks, Whole, new_shard, zigzag
 from planner_service.solvers.flashcp.refine import exchange
 from planner_service.solvers.flashcp.runs import (
     EXACT,
@@ -87,14 +87,16 @@ def ends(ranks: Ranks, rank: int, share: float, load: float, density: float) -> 
 def place(
     doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, fill_aware: bool,
     total_work: int, nested: bool = False, lengths: np.ndarray | None = None,
+    whole: Whole | None = None,
 ) -> tuple[Ranks, list[tuple[int, int]]]:
     """The layout so far and the docs left to split for tokens (module docstring;
     ``total_work``: the docs' total workload; ``lengths``: ``doc_lengths`` as an int64
-    array, if at hand)."""
+    array, if at hand; ``whole``: the docs' whole shards, if at hand: ``ranks.Whole``,
+    else each made as its doc is placed)."""
     rest_tokens = sum(doc_lengths)
     rest_work = total_work
     cap = -(-rest_tokens // n)
-    ranks = Ranks(n, cap)
+    ranks = Ranks(n, cap, whole)
     shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
     spill: list[tuple[int, int]] = []
     version = [0] * n  # an entry (key, rank, version) is stale once the rank changes
@@ -192,7 +194,8 @@ def place(
                 break
         if best >= 0 and work[best] + doc_work <= allowed:
             # ranks.add(best, doc, 0, length) inlined: most docs take this path.
-            shards[best].append(new_shard(Shard, (doc, 0, length)))
+            shards[best].append(new_shard(Shard, (doc, 0, length)) if whole is None
+                                else whole[doc])
             tokens[best] += length
             work[best] += doc_work
             version[best] += 1

@@ -8,7 +8,7 @@ O(s).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, repeat
 from operator import itemgetter
 
 from planner_service.core.cost import rank_receive
@@ -19,18 +19,33 @@ new_shard = tuple.__new__
 ``__new__`` (hot paths)."""
 
 
+Whole = Sequence[Shard]
+"""Each doc's whole shard (doc, 0, its length), indexed by doc: shared by the layouts of one
+solve (shards are immutable tuples), so placing a doc whole appends a reference instead of
+building a tuple (``whole_shards``)."""
+
+
+def whole_shards(doc_lengths: Sequence[int]) -> list[Shard]:
+    """``Whole`` for every doc: (doc, 0, its length as ``doc_lengths`` holds it), the
+    figures a shard made as the doc is placed would hold. O(D)."""
+    return list(map(new_shard, repeat(Shard), zip(range(len(doc_lengths)), repeat(0),
+                                                  doc_lengths)))
+
+
 class Ranks:
     """Mutable per-rank state of a layout under construction (plain lists: per-doc numpy
-    calls would cost more than they save)."""
+    calls would cost more than they save); ``whole``: the docs' whole shards if at hand
+    (``Whole``), which the placements that add whole docs append."""
 
-    def __init__(self, n: int, capacity: int) -> None:
+    def __init__(self, n: int, capacity: int, whole: Whole | None = None) -> None:
         self.shards: list[list[Shard]] = [[] for _ in range(n)]
         self.tokens = [0] * n
         self.work = [0] * n
         self.capacity = capacity
+        self.whole = whole
 
     def copy(self) -> Ranks:
-        other = Ranks(0, self.capacity)
+        other = Ranks(0, self.capacity, self.whole)
         other.shards = [list(r) for r in self.shards]
         other.tokens = list(self.tokens)
         other.work = list(self.work)
@@ -90,10 +105,9 @@ def zigzagged(ranks: Ranks) -> list[int]:
     docs are scanned one by one only if some doc repeats on it."""
     out: set[int] = set()
     for shards in ranks.shards:
-        docs = list(map(_doc_of, shards))
-        if len(set(docs)) < len(docs):
+        if len(set(map(_doc_of, shards))) < len(shards):
             seen: set[int] = set()
-            for doc in docs:
+            for doc, _, _ in shards:
                 if doc in seen:
                     out.add(doc)
                 else:

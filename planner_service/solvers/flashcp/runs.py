@@ -37,6 +37,9 @@ is below ``EXACT``.
     the run's length only (a round robin), blocks pass. Where the ranks' token counts
     differ widely, keys of ranks cross as d falls, and a block across a crossing fails:
     it is halved, and below ``RUN_BLOCK[0]`` docs the next docs go one at a time.
+    Before the prediction, ``first_apart`` checks in O(N) conditions the certificate
+    implies (the first doc before every rank's next doc; the docs that open the
+    sequence, each before the next), so most blocks that would fail cost only that.
     O((K + N) log(K + N)) per block.
   * One at a time (``single_steps``: after failed blocks, for densities above h, which
     only orders other than longest first give, and for flat keys too large for float64
@@ -111,11 +114,13 @@ def run_heads(doc_lengths: Sequence[int] | np.ndarray,
                                                       strict=True)}
 
 
-def run_densities(length: int, count: int, rest_tokens: int, rest_work: int) -> np.ndarray:
+def run_densities(length: int, count: int, rest_tokens: int, rest_work: int,
+                  start: int = 0) -> np.ndarray:
     """The density after each of the next ``count`` docs of ``length`` tokens, as ``place``
     computes it (the docs left's workload / tokens, 0.0 once none is left; exact: both
-    below 2^53, one rounding). O(count) in numpy."""
-    steps = np.arange(1, count + 1, dtype=np.int64)
+    below 2^53, one rounding), from the ``start``-th doc on (the docs before it placed
+    too). O(count) in numpy."""
+    steps = np.arange(start + 1, start + count + 1, dtype=np.int64)
     left_tokens = rest_tokens - steps * length
     left_work = rest_work - steps * (length * (length + 1) // 2)
     out = np.zeros(count)
@@ -138,26 +143,38 @@ def place_run_exact(
     docs go one at a time (``single_steps``), ``RUN_BLOCK[0]`` of them before blocks
     are tried again, twice as many after each block that fails in a row. O((K + N)
     log(K + N)) per block of K docs, O(N) per doc one at a time, O(N + K) to start and
-    to add the shards."""
+    to add the shards. The densities are computed as far as the docs looked at, in
+    doubling steps (a run stopped early costs O(docs placed), not O(K))."""
     n = len(ranks.work)
     doc_work = length * (length + 1) // 2
     cap = ranks.capacity
     work = np.array(ranks.work, dtype=np.int64)
     tokens = np.array(ranks.tokens, dtype=np.int64)
-    densities = run_densities(length, len(docs), rest_tokens, rest_work)
+    densities = run_densities(length, min(len(docs), RUN_BLOCK[1]), rest_tokens, rest_work)
+
+    def known(end: int) -> np.ndarray:
+        """The densities after docs placed .. end - 1 (at most to the run's end)."""
+        nonlocal densities
+        have = len(densities)
+        if end > have:
+            more = min(len(docs), max(end, 2 * have)) - have
+            densities = np.concatenate(
+                (densities, run_densities(length, more, rest_tokens, rest_work, have)))
+        return densities[placed:end]
     half = (length + 1) / 2
     flat_exact = (int(work.max(initial=0)) + len(docs) * doc_work < FLAT_LIMIT
                   and cap * (length + 1) < FLAT_LIMIT)
     picks: list[np.ndarray] = []
     placed, block, steps, burst = 0, RUN_BLOCK[0], 0, RUN_BLOCK[0]
     while placed < len(docs):
-        rest = densities[placed:]
-        if rest[0] == half and flat_exact:
+        now = float(known(placed + 1)[0])
+        if now == half and flat_exact:
+            rest = known(len(docs))
             count = int(np.argmin(rest == half)) if not (rest == half).all() else len(rest)
             chosen, stop = flat_block(work, tokens, cap, length, allowed, half, count)
-        elif rest[0] < half and not steps:
+        elif now < half and not steps:
             # The sloped docs of the block: every density below h.
-            span = rest[:block]
+            span = known(placed + block)
             count = int(np.argmin(span < half)) if not (span < half).all() else len(span)
             found = sloped_block(work, tokens, cap, length, allowed, span[:count])
             if found is None:  # not certified: a smaller block, or docs one at a time
@@ -169,8 +186,9 @@ def place_run_exact(
             chosen, stop = found
             block, burst = min(2 * block, EXACT_BLOCK), RUN_BLOCK[0]
         else:  # one at a time: after a failed block, above h, or flat keys that would round
-            count = min(steps or RUN_BLOCK[1], len(rest))
-            chosen, stop = single_steps(work, tokens, cap, length, allowed, rest[:count])
+            count = min(steps or RUN_BLOCK[1], len(docs) - placed)
+            chosen, stop = single_steps(work, tokens, cap, length, allowed,
+                                        known(placed + count))
             steps = max(0, steps - count)
         if len(chosen):
             given = np.bincount(chosen, minlength=n)
@@ -192,9 +210,47 @@ def single_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
     """The ranks of the next docs (one per density) by the rule one doc at a time: the
     least key work - tokens x d (float64, as ``place`` computes it: both figures exact
     below 2^53; ties: the lowest rank, ``np.argmin``'s first) among the ranks with room;
+    (ranks, stopped at a doc no rank takes whole). Only the ranks with room for a doc at
+    the start are scanned, in rank order (token counts only grow: the others never have
+    room again), so ties still go to the lowest rank; one that runs out of room keeps
+    work inf (inf - x is inf: never the least), and once every one has, the stop comes
+    as in ``single_steps_reference`` (its least rank has no room). Two numpy calls and an
+    argmin per doc over the ranks with room: O(N) per doc."""
+    doc_work = length * (length + 1) // 2
+    most = cap - length
+    room = np.flatnonzero(tokens <= most)
+    if not len(room):
+        return np.zeros(0, dtype=np.int64), True
+    rank_of = room.tolist()
+    held, have = work[room].tolist(), tokens[room].tolist()
+    heavy = work[room].astype(np.float64)
+    long = tokens[room].astype(np.float64)
+    keys = np.empty(len(room))
+    multiply, subtract = np.multiply, np.subtract
+    chosen: list[int] = []
+    for density in densities.tolist():
+        multiply(long, density, out=keys)
+        subtract(heavy, keys, out=keys)
+        j = int(keys.argmin())
+        if have[j] > most or held[j] + doc_work > allowed:
+            return np.array(chosen, dtype=np.int64), True
+        chosen.append(rank_of[j])
+        held[j] += doc_work
+        have[j] += length
+        heavy[j] = held[j] if have[j] <= most else np.inf
+        long[j] = have[j]
+    return np.array(chosen, dtype=np.int64), False
+
+
+def single_steps_reference(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
+                 densities: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The ranks of the next docs (one per density) by the rule one doc at a time: the
+    least key work - tokens x d (float64, as ``place`` computes it: both figures exact
+    below 2^53; ties: the lowest rank, ``np.argmin``'s first) among the ranks with room;
     (ranks, stopped at a doc no rank takes whole). A rank without room keeps work inf
     (inf - x is inf: never the least); the others' keys are as computed. Two numpy calls
-    and an argmin per doc: O(N) per doc."""
+    and an argmin per doc over every rank: O(N) per doc (``single_steps`` over the ranks
+    with room only)."""
     doc_work = length * (length + 1) // 2
     most = cap - length
     held, have = work.tolist(), tokens.tolist()
@@ -218,20 +274,25 @@ def single_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
 
 
 def add_run(ranks: Ranks, chosen: np.ndarray, docs: Sequence[int], length: int) -> list[int]:
-    """Add doc ``docs[i]`` whole to rank ``chosen[i]`` for every i, in order; the ranks
-    given docs, ascending. O(K log K + N)."""
+    """Add doc ``docs[i]`` whole to rank ``chosen[i]`` for every i, in order (the shards
+    from ``ranks.whole`` if set); the ranks given docs, ascending. O(K log K + N)."""
     given = np.bincount(chosen)
     changed = np.flatnonzero(given).tolist()
-    shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
+    shards, tokens, work, whole = ranks.shards, ranks.tokens, ranks.work, ranks.whole
     if len(chosen) < 4 * len(changed):  # few docs per rank: one by one
-        for doc, r in zip(docs, chosen.tolist(), strict=True):
-            shards[r].append(new_shard(Shard, (doc, 0, length)))
+        if whole is None:
+            for doc, r in zip(docs, chosen.tolist(), strict=True):
+                shards[r].append(new_shard(Shard, (doc, 0, length)))
+        else:  # the docs' shards at hand (``ranks.Whole``)
+            for doc, r in zip(docs, chosen.tolist(), strict=True):
+                shards[r].append(whole[doc])
     else:  # the docs grouped by rank, in order (a stable sort), one extend per rank
         held = np.asarray(docs, dtype=np.int64)[np.argsort(chosen, kind="stable")].tolist()
         at = 0
         for r, count in zip(changed, given[changed].tolist(), strict=True):
-            shards[r].extend(map(new_shard, repeat(Shard),
-                                 zip(held[at:at + count], repeat(0), repeat(length))))
+            part = held[at:at + count]
+            shards[r].extend(map(new_shard, repeat(Shard), zip(part, repeat(0), repeat(length)))
+                             if whole is None else map(whole.__getitem__, part))
             at += count
     doc_work = length * (length + 1) // 2
     for r, count in zip(changed, given[changed].tolist(), strict=True):
@@ -286,6 +347,9 @@ def sloped_block(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
         return np.zeros(0, dtype=np.int64), True
     if not doc_work - length * float(densities[0]) > 0:
         return None  # keys too close to flat for the prediction's phases
+    if not first_apart(work, tokens, fits, cap, length, count, float(densities[0]),
+                       float(densities.min()), float(densities.max())):
+        return None  # the certificate below would fail (``first_apart``)
     rank, heavy, long = predicted(work, tokens, fits, length, float(densities[0]), count)
     given = np.bincount(rank, minlength=len(work))
     # Each rank's docs in the block are its next ones, in order.
@@ -310,6 +374,42 @@ def sloped_block(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
     if not within.all():
         return rank[:int(np.argmin(within))], True
     return rank, count < len(densities)
+
+
+def first_apart(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, cap: int,
+                length: int, count: int, density: float, low: float,
+                high: float) -> bool:
+    """Necessary conditions of ``sloped_block``'s certificate, cheap to check first, at a
+    margin no larger than the certificate's (its largest workload is at least that of any
+    rank with room). The first predicted doc (the next doc of the rank of least key at
+    ``density``, ties to the lowest rank) must lie before every other rank's next doc by
+    ``certified``'s rule: every rank with room has its next doc in the certified
+    sequence, where order is transitive. And the ranks' next docs of keys below the least
+    plus s = w - L x density (before any rank's second doc: keys rise by s per doc) open
+    the predicted sequence in key order, so up to the block's ``count`` docs each must
+    lie before the next. A block failing either fails the certificate; False only costs
+    the block (docs then go one at a time, by the same rule). O(N) in numpy, plus the
+    sort of those first docs."""
+    active = np.flatnonzero(fits)
+    if len(active) < 2:
+        return True
+    held, have = work[active], tokens[active]
+    keys = held.astype(np.float64) - have.astype(np.float64) * density
+    first = int(np.argmin(keys))
+    margin = MARGIN * (int(held.max()) + cap * high + 1)
+    fine = certified(held[first], have[first], active[first], held, have, active, low, high,
+                     margin)
+    fine[first] = True
+    if not fine.all():
+        return False
+    step = length * (length + 1) // 2 - length * density
+    opening = np.flatnonzero(keys < keys[first] + step)
+    if len(opening) < 3:
+        return True
+    opening = opening[np.lexsort((opening, keys[opening]))][:count]
+    a, b = opening[:-1], opening[1:]
+    return bool(certified(held[a], have[a], active[a], held[b], have[b], active[b], low, high,
+                          margin).all())
 
 
 def certified(first_heavy: np.ndarray | np.int64, first_long: np.ndarray | np.int64,

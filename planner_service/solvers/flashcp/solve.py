@@ -72,8 +72,9 @@ from planner_service.solvers.balance import declared
 from planner_service.solvers.flashcp.bulk import bulk_applies, bulk_layout
 from planner_service.solvers.flashcp.paper import MAX_PER_DOC, algorithm1
 from planner_service.solvers.flashcp.place import finish, place
-from planner_service.solvers.flashcp.ranks import Ranks, measure, zigzagged
+from planner_service.solvers.flashcp.ranks import Ranks, measure, whole_shards, zigzagged
 from planner_service.solvers.flashcp.refine import descend
+from planner_service.solvers.gc_pause import paused_gc
 
 
 class Pass(NamedTuple):
@@ -261,12 +262,17 @@ def flashcp_solve(
             return _choose([Found(receive, 0, ranks, False, doubled)], doc_lengths, n, target,
                            total_work, allowed, steps, comm_mode, cost)
         fallback = (imb, ranks)
+    # Every doc's whole shard, shared by the layouts after the first (``ranks.Whole``):
+    # made once a second layout is to be built (most large requests need one).
+    whole: list[Shard] | None = None
     if n > 1:
-        for batch in passes(doc_lengths, order, n, allowed):
+        for count, batch in enumerate(passes(doc_lengths, order, n, allowed)):
+            if count and whole is None:
+                whole = whole_shards(doc_lengths)
             found: list[Found] = []
             for spec in batch:
                 placed, spill = place(doc_lengths, spec.order, n, allowed, spec.fill_aware,
-                                      total_work, spec.nested, lengths=lengths)
+                                      total_work, spec.nested, lengths=lengths, whole=whole)
                 # Without docs to spill, the spill orders give the same layout: finish one.
                 spills = spec.spills if spill else spec.spills[:1]
                 for i, tail_largest in enumerate(spills):
@@ -282,12 +288,14 @@ def flashcp_solve(
             if found:
                 return _choose(found, doc_lengths, n, target, total_work, allowed, steps,
                                comm_mode, cost)
+    if whole is None:
+        whole = whole_shards(doc_lengths)
     rounds = paper_rounds(len(doc_lengths), n)
-    imb, ranks, _ = algorithm1(doc_lengths, n, target, max_per_doc=rounds)
+    imb, ranks, _ = algorithm1(doc_lengths, n, target, max_per_doc=rounds, whole=whole)
     more = paper_rounds(len(doc_lengths), n, PAPER_RETRY_WORK)
     if (imb > target and more > rounds and len(doc_lengths) <= PAPER_RETRY_DOCS
             and n <= PAPER_RETRY_RANKS):
-        retried, again, _ = algorithm1(doc_lengths, n, target, max_per_doc=more)
+        retried, again, _ = algorithm1(doc_lengths, n, target, max_per_doc=more, whole=whole)
         if retried < imb:
             imb, ranks = retried, again
     if fallback is not None and fallback[0] < imb:
@@ -334,8 +342,12 @@ def flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest) -> Layout:
     """Strategy ``flashcp``: the request's R and exchange (``comm_mode``, default
     all-to-all-v); the info declares a missed R (``balance.declared``)."""
     mode = request.comm_mode or "alltoallv"
-    solved = flashcp_solve(doc_lengths, request.cp_size, request.imbalance_target,
-                           comm_mode=mode)
+    # The collector paused as ``registry.solve`` pauses it (``gc_pause.py``), also for
+    # callers of the strategy itself: a large request builds hundreds of thousands of
+    # shard tuples, and each young-generation collection would scan them for nothing.
+    with paused_gc():
+        solved = flashcp_solve(doc_lengths, request.cp_size, request.imbalance_target,
+                               comm_mode=mode)
     return Layout(
         groups=[GroupLayout(tuple(range(request.cp_size)), solved.shards)],
         info=declared({"per_doc_docs": solved.per_doc,
