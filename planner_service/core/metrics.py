@@ -179,8 +179,10 @@ def masked_metrics(
     tokens_per_rank = metrics.tokens_per_rank
     # The runtime's rings (and a ring plan's gathered form on flash kernels) stop after
     # the window's last useful step: steps_run blocks, not N - 1.
-    figures = ww.mask_figures_of(arrays, mask, comm_mode=comm_mode,
-                                 tokens_per_rank=tokens_per_rank, skip_ring_steps=True)
+    figures = ww.mask_figures_of(
+        arrays, mask, comm_mode=comm_mode, tokens_per_rank=tokens_per_rank,
+        skip_ring_steps=True,
+        causal=(stats.workload, cost.CommVolumes(stats.alltoallv_recv, stats.allgather_send)))
     n = len(shards_per_rank)
     held = held_kv_mode(kernel, comm_mode)
     layers, rank_layers = [], []

@@ -247,20 +247,26 @@ class MaskFigures(NamedTuple):
 
 
 def mask_figures_of(arrays: cost.ShardArrays, mask: AttentionMask, *, comm_mode: str,
-                    tokens_per_rank: int, skip_ring_steps: bool = False) -> MaskFigures:
+                    tokens_per_rank: int, skip_ring_steps: bool = False,
+                    causal: tuple[Sequence[int], cost.CommVolumes] | None = None
+                    ) -> MaskFigures:
     """The group's work and exchange under ``mask`` in ``comm_mode`` (``skip_ring_steps``:
     a ``p2p_ring`` that runs only up to the last useful step in windowed layers; causal
-    layers always run N - 1). O(G (s log s + t)) for G windows."""
+    layers always run N - 1). ``causal``: the group's causal per-rank work and volumes
+    where the caller has them (``cost``'s), taken for the causal layers. O(G (s log s + t))
+    for G windows."""
     layers = []
     srt = sorted_shards(arrays)
     for group in mask.groups:
-        volumes = window_comm_volumes_of(srt, group.window)
+        if group.window is None and causal is not None:
+            work, volumes = tuple(causal[0]), causal[1]
+        else:
+            work = tuple(rank_window_workloads_of(arrays, group.window))
+            volumes = window_comm_volumes_of(srt, group.window)
         ring = ring_schedule_of(arrays, group.window) if (
             comm_mode == "p2p_ring" and skip_ring_steps and group.window is not None) else None
-        layers.append(LayerFigures(group.window, group.layers,
-                                   tuple(rank_window_workloads_of(arrays, group.window)),
-                                   volumes, recv_tokens(comm_mode, volumes, tokens_per_rank,
-                                                        ring)))
+        layers.append(LayerFigures(group.window, group.layers, work, volumes,
+                                   recv_tokens(comm_mode, volumes, tokens_per_rank, ring)))
     n = len(arrays.bounds) - 1
     workload = tuple(sum(f.layers * f.workload[i] for f in layers) for i in range(n))
     recv = tuple(sum(f.layers * f.recv[i] for f in layers) for i in range(n))
