@@ -216,15 +216,14 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
        model (``Subproblems.small``) skips the ends and solves the positions' relaxation
        only (``SMALL_GRAINS``): there the relaxation, whose longest doc stays blocks,
        reaches the same bound alone (every small cell of ``bench.ilp_small``), and the
-       closing minimisation below needs the time. If the
-       bound is 0 (and step 0 did not run), ask the question of step 0. With
+       closing minimisation below needs the time. If the bound is 0 (and step 0 did not
+       run), ask the question of step 0. With
        ``fill_first``, then ask the restricted model of :mod:`.fill` for a placement
        within ``fill_gap`` of the bound (``ask_fill``, until ``fill_until`` of the limit, and
        for at least ``fill_share``).
     3. Search again with rank-group steps until ``search_share`` (on a small model for
-       at most ``small_group_share``), then optimise the full
-       model from the incumbent with ``comm_max >= bound`` (CP-SAT's LNS), leaving
-       ``bisect_share`` of the limit.
+       at most ``small_group_share``), then optimise the full model from the incumbent
+       with ``comm_max >= bound`` (CP-SAT's LNS), leaving ``bisect_share`` of the limit.
     4. Spend the rest on ``bisect_bound`` questions, which raise the bound where the
        optimisation cannot.
 
