@@ -33,6 +33,13 @@ incumbent's critical-path KV, the proven bound and the deterministic seconds spe
 an operator or a benchmark (``bench.ilp_compare``: the wall time at which the gap first
 fell under 1%) can follow the search; the plan itself carries no timings."""
 
+SMALL_GRAINS = GRAINS[:1]
+"""The relaxation's grains on a small model (``Tuning.small_bools``): the fluid as
+positions only. On every small cell of ``bench.ilp_small`` (5 instances at N = 2 and 4)
+the blocks' grain proves the same bound as the positions' and costs as much again (4 docs
+of 7K tokens at N = 4: 1585 after 0.024 deterministic seconds each); the closing
+minimisation needs that time."""
+
 
 def ask(state: Search, v: int, build: Callable[[list[int]], BlockModel],
          value_of: Callable[[list[int]], int], limit: float, cp: Cp) -> tuple[Search, bool]:
@@ -140,16 +147,18 @@ def ask_fill(state: Search, subs: Subproblems, limit_s: float,
 
 def relaxed_bound(build: Callable[[list[int] | None, str, int], BlockModel],
                   value_of: Callable[[list[int]], int], budget: float, limit: float,
-                  cp: Cp, hint: list[int], floor: int) -> tuple[int, float, bool]:
+                  cp: Cp, hint: list[int], floor: int,
+                  grains: tuple[str, ...] = GRAINS) -> tuple[int, float, bool]:
     """A proven lower bound on the full model's critical-path KV from the relaxations of
     :mod:`.relax`, at least ``floor`` (a bound already proven), within ``budget``
     deterministic seconds: first with the fluid as token positions, then, in what is
     left, as blocks with the first bound as a floor (the blocks' optimum is never below
     the positions'; CP-SAT can prove the looser bound where it cannot prove the tighter
-    one in the same time, see :mod:`.relax`). Returns the bound, the time spent and
-    whether every solve was deterministic."""
+    one in the same time, see :mod:`.relax`); ``grains``: those of ``GRAINS`` to solve,
+    in this order. Returns the bound, the time spent and whether every solve was
+    deterministic."""
     bound, spent, deterministic = floor, 0.0, True
-    for grain in GRAINS:
+    for grain in grains:
         if budget - spent <= 1e-3:
             break
 
@@ -203,14 +212,18 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
        docs that cannot stay whole as blocks, the rest as a fluid of positions, then of
        blocks; ``relaxed_bound``), hinted with the incumbent's blocks of those docs, in
        what is left of ``relax_share`` (``fill_relax_share`` with ``fill_first``); these
-       bounds hold for the full model, where CP-SAT's own LP bound is near 0. If the
-       bound is 0 (and step 0 did not run), ask the question of step 0. With
+       bounds hold for the full model, where CP-SAT's own LP bound is near 0. A small
+       model (``Subproblems.small``) skips the ends and solves the positions' relaxation
+       only (``SMALL_GRAINS``): there the relaxation, whose longest doc stays blocks,
+       reaches the same bound alone (every small cell of ``bench.ilp_small``), and the
+       closing minimisation below needs the time. If the bound is 0 (and step 0 did not
+       run), ask the question of step 0. With
        ``fill_first``, then ask the restricted model of :mod:`.fill` for a placement
        within ``fill_gap`` of the bound (``ask_fill``, until ``fill_until`` of the limit, and
        for at least ``fill_share``).
-    3. Search again with rank-group steps until ``search_share``, then optimise the full
-       model from the incumbent with ``comm_max >= bound`` (CP-SAT's LNS), leaving
-       ``bisect_share`` of the limit.
+    3. Search again with rank-group steps until ``search_share`` (on a small model for
+       at most ``small_group_share``), then optimise the full model from the incumbent
+       with ``comm_max >= bound`` (CP-SAT's LNS), leaving ``bisect_share`` of the limit.
     4. Spend the rest on ``bisect_bound`` questions, which raise the bound where the
        optimisation cannot.
 
@@ -245,15 +258,18 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
         if not subs.fill_first:
             state = progress("rank groups", subs.group_search(
                 state, t.group_share * limit, t.group_step_share * limit))
-        bound, ends_spent, deterministic = subs.ends_bound(state.value, t.ends_share * limit)
-        state = progress("ends", state._replace(
-            bound=max(state.bound, bound), spent=state.spent + ends_spent,
-            deterministic=state.deterministic and deterministic))
+        ends_spent = 0.0
+        if not subs.small:
+            bound, ends_spent, deterministic = subs.ends_bound(state.value, t.ends_share * limit)
+            state = progress("ends", state._replace(
+                bound=max(state.bound, bound), spent=state.spent + ends_spent,
+                deterministic=state.deterministic and deterministic))
         if state.bound < state.value and not late():
             share = t.fill_relax_share if subs.fill_first else t.relax_share
             bound, spent, deterministic = relaxed_bound(
                 subs.relaxation, subs.relaxed_value, share * limit - ends_spent, limit,
-                cp, subs.relaxed_ranks(state.ranks), state.bound)
+                cp, subs.relaxed_ranks(state.ranks), state.bound,
+                SMALL_GRAINS if subs.small else GRAINS)
             state = progress("relaxation", state._replace(
                 bound=max(state.bound, bound), spent=state.spent + spent,
                 deterministic=state.deterministic and deterministic))
@@ -269,8 +285,11 @@ def solve_comm(hint: list[int], build: Callable[[list[int]], BlockModel],
         state = progress("below the incumbent", close(
             state, build, value_of, min(share, limit - state.spent), cp, small=subs.small))
     if state.bound < state.value and not late():
+        until = t.search_share * limit
+        if subs.small:  # the closing minimisation after them gets the rest
+            until = min(until, state.spent + t.small_group_share * limit)
         state = progress("rank groups", subs.group_search(
-            state, t.search_share * limit, t.group_step_share * limit))
+            state, until, t.group_step_share * limit))
     if subs.small and state.bound < state.value and near(state) and not late() \
             and limit - state.spent > 1e-3:
         state = progress("below the incumbent", close(

@@ -80,14 +80,23 @@ class Tuning:
     """A model of at most this many placement booleans (blocks x ranks) is *small*: its
     closing minimisation (``search.close``) runs without cut rounds
     (``cpsat.SMALL_CUT_LEVEL``), is asked where the gap is above ``close_gap`` too if
-    the longest doc fits on a rank, and again after the second rank-group steps
-    (:func:`.search.solve_comm`): CP-SAT settles such a model outright more often than
-    the steps around it narrow the gap (4 docs of 7K tokens: N = 2, 52 blocks, proven in
-    0.02 deterministic seconds)."""
+    the longest doc fits on a rank, and again after the second rank-group steps, which
+    take at most ``small_group_share``; its bound is the relaxation's of positions alone,
+    without the ends' branch and bound (:func:`.search.solve_comm`): CP-SAT settles such
+    a model outright more often than the steps around it narrow the gap (4 docs of 7K
+    tokens: N = 2, 52 blocks, proven in 0.009 deterministic seconds; N = 4, 60 blocks, in
+    0.281 of the default limit's 0.3)."""
     small_close_share: float = 0.1
     """The most of the limit the closing minimisation of a small model may take where the
     gap is above ``close_gap`` (so that where it does not settle the model, the
     rank-group steps after it still run)."""
+    small_group_share: float = 0.1
+    """The most of the limit the rank-group steps after the bound may take on a small
+    model, so that the closing minimisation after them (where the gap is then at most
+    ``close_gap``) gets the rest: on 4 docs of 7K tokens at N = 4 the steps reach the
+    optimum 1634 within 0.031 deterministic seconds; run on to ``search_share``, they left
+    its proof 0.056 of the 0.1 it needs at the default limit (any share from 0.08 to 0.2
+    proves it there)."""
     bisect_share: float = 0.1
     """The share of the limit left to the closing yes/no questions, which raise the bound
     where the optimisation cannot."""
