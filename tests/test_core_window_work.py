@@ -227,3 +227,12 @@ def test_the_one_sort_alltoallv_figures_equal_mask_figures(seed, num_ranks):
                  AttentionMask((LayerGroup(1, 2), LayerGroup(7, 3))), CAUSAL):
         f = ww.mask_figures_of(arrays, mask, comm_mode="alltoallv", tokens_per_rank=tpr)
         assert ww.alltoallv_figures_of(arrays, mask) == (f.workload, f.comm_tokens)
+
+
+def test_layer_weighted_is_the_per_rank_sum_in_exact_integers() -> None:
+    rng = random.Random(5)
+    for n in (0, 1, 3, 64):
+        rows = [(rng.randint(1, 1 << 16), [rng.randint(0, 1 << 62) for _ in range(n)])
+                for _ in range(rng.randint(1, 4))]
+        assert ww.layer_weighted(rows) == tuple(
+            sum(count * values[i] for count, values in rows) for i in range(n))

@@ -130,6 +130,23 @@ def test_chunks_hold_equal_tokens_and_their_price_is_window_works(mask, doc_leng
                                 for j in held) for held in chunks.held.tolist()]
 
 
+@pytest.mark.parametrize("heap", [True, False])
+def test_chunks_of_weighted_work_beyond_int64_are_exact(heap: bool) -> None:
+    """Past 2^61 weighted pairs the prefix and the chunks' work stay Python ints, the
+    same figures as ``at`` one by one."""
+    mask = parse_layers_text("1x1,65535xfull")
+    doc_lengths = [9_000_000, 5, 3]
+    wp = ch.WeightedPrefix(doc_lengths, mask)
+    assert wp.total >= 1 << 61
+    cs = [0, 1, 4_500_000, 9_000_000, 9_000_004, 9_000_008]
+    assert wp.at_array(cs).tolist() == wp.at_many(cs) == [wp.at(c) for c in cs]
+    chunks = ch.chunk_ranks(wp, 4, 2, heap)
+    assert sorted(chunks.held.ravel().tolist()) == list(range(8))
+    assert chunks.loads == [sum(wp.at(int(chunks.bounds[j + 1])) - wp.at(int(chunks.bounds[j]))
+                                for j in held) for held in chunks.held.tolist()]
+    assert sum(chunks.loads) == wp.total
+
+
 def test_range_shards_are_global_range_shards_range_by_range():
     rng = random.Random(3)
     for _ in range(300):

@@ -225,18 +225,16 @@ def masked_metrics(
         full_comm_bytes=full * model.kv_bytes_per_token,
         layers=tuple(layers),
     )
-    weighted_recv = tuple(sum(layer.layers * r.alltoallv_recv[i]
-                              for layer, r in zip(mask.groups, rank_layers, strict=True))
-                          for i in range(n))
-    weighted_send = tuple(sum(layer.layers * r.allgather_send[i]
-                              for layer, r in zip(mask.groups, rank_layers, strict=True))
-                          for i in range(n))
+    weighted_recv = ww.layer_weighted([(layer.layers, r.alltoallv_recv)
+                                       for layer, r in zip(mask.groups, rank_layers, strict=True)])
+    weighted_send = ww.layer_weighted([(layer.layers, r.allgather_send)
+                                       for layer, r in zip(mask.groups, rank_layers, strict=True)])
     masked_stats = replace(
         stats,
         workload=workload,
         alltoallv_recv=weighted_recv,
         allgather_send=weighted_send,
-        kv_tokens_peak=tuple(max(r.kv_tokens_peak[i] for r in rank_layers) for i in range(n)),
+        kv_tokens_peak=tuple(map(max, zip(*[r.kv_tokens_peak for r in rank_layers], strict=True))),
         layers=tuple(rank_layers),
     )
     return masked, masked_stats

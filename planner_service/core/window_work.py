@@ -246,6 +246,13 @@ class MaskFigures(NamedTuple):
         return cost.imbalance(self.workload)
 
 
+def layer_weighted(rows: Sequence[tuple[int, Sequence[int]]]) -> tuple[int, ...]:
+    """Per rank, ``sum_g count_g values_g[i]`` of (count, per-rank values) rows, in exact
+    integers. O(G N)."""
+    return tuple(map(sum, zip(*[[count * v for v in values] for count, values in rows],
+                              strict=True)))
+
+
 def mask_figures_of(arrays: cost.ShardArrays, mask: AttentionMask, *, comm_mode: str,
                     tokens_per_rank: int, skip_ring_steps: bool = False,
                     causal: tuple[Sequence[int], cost.CommVolumes] | None = None
@@ -267,9 +274,8 @@ def mask_figures_of(arrays: cost.ShardArrays, mask: AttentionMask, *, comm_mode:
             comm_mode == "p2p_ring" and skip_ring_steps and group.window is not None) else None
         layers.append(LayerFigures(group.window, group.layers, work, volumes,
                                    recv_tokens(comm_mode, volumes, tokens_per_rank, ring)))
-    n = len(arrays.bounds) - 1
-    workload = tuple(sum(f.layers * f.workload[i] for f in layers) for i in range(n))
-    recv = tuple(sum(f.layers * f.recv[i] for f in layers) for i in range(n))
+    workload = layer_weighted([(f.layers, f.workload) for f in layers])
+    recv = layer_weighted([(f.layers, f.recv) for f in layers])
     comm = sum(f.layers * max(f.recv, default=0) for f in layers)
     return MaskFigures(tuple(layers), workload, recv, comm)
 

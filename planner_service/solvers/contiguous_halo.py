@@ -97,10 +97,15 @@ class WeightedPrefix:
         return self.cum[d] + self.doc_prefix(c - self.offsets[d])
 
     def at_many(self, cs: Sequence[int]) -> list[int]:
-        """``P(c)`` of every c (ascending or not). O(k (log D + log G)) for k values, in
-        numpy where every figure fits int64, else one by one."""
+        """``P(c)`` of every c (ascending or not), as ``at_array``."""
+        return self.at_array(cs).tolist()
+
+    def at_array(self, cs: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``P(c)`` of every c (ascending or not): int64 where every figure fits, else an
+        object array of Python ints computed one by one. O(k (log D + log G)) for k
+        values."""
         if self.total >= 1 << 61 or not self.lengths:
-            return [self.at(c) for c in cs]
+            return np.asarray([self.at(int(c)) for c in cs], dtype=object)
         c = np.asarray(cs, dtype=np.int64)
         offsets = np.asarray(self.offsets, dtype=np.int64)
         d = np.minimum(np.searchsorted(offsets, c, side="right") - 1, len(self.lengths) - 1)
@@ -109,7 +114,7 @@ class WeightedPrefix:
         quad, lin, const = (np.asarray(x, dtype=np.int64) for x in zip(*self.pieces, strict=True))
         out = np.asarray(self.cum, dtype=np.int64)[d] + (
             quad[piece] * p * (p + 1) // 2 + lin[piece] * p + const[piece])
-        return out.tolist()
+        return out
 
     def doc_reach(self, value: int, length: int) -> int:
         """The greatest p in [0, length] with ``P_d(p) <= value`` (value >= 0). O(log G)."""
@@ -266,8 +271,8 @@ def chunk_ranks(prefix: WeightedPrefix, num_ranks: int, per_rank: int,
     differ by at most ``per_rank``."""
     n, k = num_ranks, per_rank
     bounds = range_bounds(prefix.offsets[-1], k * n)
-    exact = np.int64 if prefix.total < 1 << 61 else object
-    work = np.diff(np.asarray(prefix.at_many(bounds), dtype=exact))
+    work = np.diff(prefix.at_array(bounds))
+    exact = np.int64 if work.dtype == np.int64 else object
     order = np.argsort(-work, kind="stable")
     owner = np.empty(k * n, dtype=np.int64)
     if heap if heap is not None else k * n <= HEAP_CHUNKS:
@@ -289,7 +294,7 @@ def chunk_ranks(prefix: WeightedPrefix, num_ranks: int, per_rank: int,
             ranks = np.argsort(loads, kind="stable")
             owner[block] = ranks
             loads[ranks] += work[block]
-    held = np.lexsort((np.arange(k * n), owner)).reshape(n, k)
+    held = np.argsort(owner, kind="stable").reshape(n, k)
     return Chunks(np.asarray(bounds, dtype=np.int64), held, [int(x) for x in loads])
 
 
