@@ -82,6 +82,51 @@ class GroupBlocks(NamedTuple):
     queries: np.ndarray
 
 
+class QueryBlocks(NamedTuple):
+    """The ``block_q``-row query blocks of calls whose rows are entries' rows in order."""
+
+    row0: np.ndarray
+    """Each entry's first row in the calls' rows laid end to end, then the total."""
+    rows: np.ndarray
+    """Per call, its query rows."""
+    nb: np.ndarray
+    """Per call, its query blocks."""
+    call: np.ndarray
+    """Per block (call by call), its call."""
+    q0: np.ndarray
+    """Per block (call by call), its first row."""
+    q1: np.ndarray
+    """Per block, the row after its last."""
+    a: np.ndarray
+    """Per block, the entry holding its first row."""
+    b: np.ndarray
+    """Per block, the entry holding its last row."""
+
+    def per_call(self, x: np.ndarray) -> np.ndarray:
+        """Per call, the sum of ``x`` (one value per block) over its blocks."""
+        sums = np.concatenate(([0], np.cumsum(x)))
+        ends = np.cumsum(self.nb)
+        return sums[ends] - sums[ends - self.nb]
+
+
+def query_blocks(call: np.ndarray, length: np.ndarray, num_calls: int, block_q: int
+                 ) -> QueryBlocks:
+    """``QueryBlocks`` of ``num_calls`` calls: entry i (``length[i]`` > 0 rows) belongs to
+    call ``call[i]`` (non-decreasing), each call's rows cut in blocks of ``block_q``.
+    O(entries + blocks log entries)."""
+    row0 = np.concatenate(([0], np.cumsum(length)))
+    bounds = np.searchsorted(call, np.arange(num_calls + 1), side="left")
+    rows = row0[bounds[1:]] - row0[bounds[:-1]]
+    nb = -(-rows // block_q)
+    block_call = np.repeat(np.arange(num_calls, dtype=np.int64), nb)
+    index = np.arange(int(nb.sum()), dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
+    q0 = row0[bounds[:-1]][block_call] + index * block_q
+    q1 = np.minimum(q0 + block_q, row0[bounds[1:]][block_call])
+    a = np.searchsorted(row0, q0, side="right") - 1
+    b = np.searchsorted(row0, q1 - 1, side="right") - 1
+    return QueryBlocks(row0, rows, nb, block_call, q0, q1, a, b)
+
+
 def blocks_of_calls(call: np.ndarray, length: np.ndarray, lo_key: np.ndarray, hi_base: np.ndarray,
                     diagonal: bool, num_calls: int, block_q: int, block_k: int) -> GroupBlocks:
     """Blocks of ``num_calls`` calls whose query rows are the given shards, in order.
@@ -94,22 +139,8 @@ def blocks_of_calls(call: np.ndarray, length: np.ndarray, lo_key: np.ndarray, hi
     zeros = np.zeros(num_calls, dtype=np.int64)
     if len(call) == 0:
         return GroupBlocks(zeros, zeros.copy(), zeros.copy(), zeros.copy())
-    row0 = np.concatenate(([0], np.cumsum(length)))
-    bounds = np.searchsorted(call, np.arange(num_calls + 1), side="left")
-    rows = row0[bounds[1:]] - row0[bounds[:-1]]
-    nb = -(-rows // block_q)
-    block_call = np.repeat(np.arange(num_calls, dtype=np.int64), nb)
-    index = np.arange(int(nb.sum()), dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
-    q0 = row0[bounds[:-1]][block_call] + index * block_q
-    q1 = np.minimum(q0 + block_q, row0[bounds[1:]][block_call])
-    a = np.searchsorted(row0, q0, side="right") - 1
-    b = np.searchsorted(row0, q1 - 1, side="right") - 1
-    hi = hi_base[b] + (q1 - row0[b] if diagonal else 0)
-    span = np.maximum(hi - lo_key[a], 0)
-
-    def per_call(x: np.ndarray) -> np.ndarray:
-        sums = np.concatenate(([0], np.cumsum(x)))
-        ends = np.cumsum(nb)
-        return sums[ends] - sums[ends - nb]
-
-    return GroupBlocks(per_call((q1 - q0) * span), per_call(-(-span // block_k)), nb, rows)
+    qb = query_blocks(call, length, num_calls, block_q)
+    hi = hi_base[qb.b] + (qb.q1 - qb.row0[qb.b] if diagonal else 0)
+    span = np.maximum(hi - lo_key[qb.a], 0)
+    return GroupBlocks(qb.per_call((qb.q1 - qb.q0) * span), qb.per_call(-(-span // block_k)),
+                       qb.nb, qb.rows)

@@ -41,7 +41,7 @@ from planner_service.core.cost import ShardArrays
 from planner_service.core.errors import FieldError
 from planner_service.core.plan import Shard
 from planner_service.core.step_time import ring
-from planner_service.core.step_time.blocks import NO_BLOCKS, Blocks, shard_rows
+from planner_service.core.step_time.blocks import NO_BLOCKS, Blocks, query_blocks, shard_rows
 from planner_service.core.step_time.runs import RingSeen, SortedShards, ring_seen, sort_shards
 from planner_service.core.step_time.shifts import (
     RingHiding,
@@ -178,32 +178,17 @@ def _call_blocks(g: _Rows, call: np.ndarray, shard: np.ndarray, rows: np.ndarray
     ``rows[e]`` (> 0) rows of shard ``shard[e]`` of its entries e (``call`` non-decreasing),
     its keys the rows of rank ``key_rank[c]``. O(e + b log s) for e entries and b query
     blocks."""
-    num_calls = len(key_rank)
-    row0 = np.concatenate(([0], np.cumsum(rows)))
-    bounds = np.searchsorted(call, np.arange(num_calls + 1), side="left")
-    queries = row0[bounds[1:]] - row0[bounds[:-1]]
-    nb = -(-queries // block_q)
-    block_call = np.repeat(np.arange(num_calls, dtype=np.int64), nb)
-    index = np.arange(int(nb.sum()), dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
-    q0 = row0[bounds[:-1]][block_call] + index * block_q
-    q1 = np.minimum(q0 + block_q, row0[bounds[1:]][block_call])
-    a = np.searchsorted(row0, q0, side="right") - 1
-    b = np.searchsorted(row0, q1 - 1, side="right") - 1
+    qb = query_blocks(call, rows, len(key_rank), block_q)
     # The block's first query (doc, p0) reads from its window start, its last (doc, p1)
     # up to itself.
-    s, j, first, last = g.s, key_rank[block_call], shard[a], shard[b]
-    p0 = s.start[first] + (q0 - row0[a])
-    p1 = s.start[last] + (q1 - 1 - row0[b])
+    s, j, first, last = g.s, key_rank[qb.call], shard[qb.a], shard[qb.b]
+    p0 = s.start[first] + (qb.q0 - qb.row0[qb.a])
+    p1 = s.start[last] + (qb.q1 - 1 - qb.row0[qb.b])
     lo = _below(g, j, s.doc[first], np.maximum(p0 - window + 1, 0))
     hi = _below(g, j, s.doc[last], p1 + 1)
     span = np.maximum(hi - lo, 0)
-
-    def per_call(x: np.ndarray) -> np.ndarray:
-        sums = np.concatenate(([0], np.cumsum(x)))
-        ends = np.cumsum(nb)
-        return sums[ends] - sums[ends - nb]
-
-    return per_call((q1 - q0) * span), per_call(-(-span // block_k)), nb, queries
+    return (qb.per_call((qb.q1 - qb.q0) * span), qb.per_call(-(-span // block_k)), qb.nb,
+            qb.rows)
 
 
 class _GroupWork(NamedTuple):

@@ -242,8 +242,8 @@ def single_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, al
     return np.array(chosen, dtype=np.int64), False
 
 
-def single_steps_reference(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
-                 densities: np.ndarray) -> tuple[np.ndarray, bool]:
+def single_steps_reference(work: np.ndarray, tokens: np.ndarray, cap: int, length: int,
+                           allowed: float, densities: np.ndarray) -> tuple[np.ndarray, bool]:
     """The ranks of the next docs (one per density) by the rule one doc at a time: the
     least key work - tokens x d (float64, as ``place`` computes it: both figures exact
     below 2^53; ties: the lowest rank, ``np.argmin``'s first) among the ranks with room;
