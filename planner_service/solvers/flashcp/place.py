@@ -87,12 +87,13 @@ def ends(ranks: Ranks, rank: int, share: float, load: float, density: float) -> 
 def place(
     doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, fill_aware: bool,
     total_work: int, nested: bool = False, lengths: np.ndarray | None = None,
-    whole: Whole | None = None,
+    whole: Whole | None = None, fill_share: float = 1.0,
 ) -> tuple[Ranks, list[tuple[int, int]]]:
     """The layout so far and the docs left to split for tokens (module docstring;
     ``total_work``: the docs' total workload; ``lengths``: ``doc_lengths`` as an int64
     array, if at hand; ``whole``: the docs' whole shards, if at hand: ``ranks.Whole``,
-    else each made as its doc is placed)."""
+    else each made as its doc is placed; ``fill_share``: the share of the density of the
+    docs left that fill-aware zigzag widths count for a rank's later fill)."""
     rest_tokens = sum(doc_lengths)
     rest_work = total_work
     cap = -(-rest_tokens // n)
@@ -227,7 +228,7 @@ def place(
         mirror = mirrored(mirror, work, tokens, touched)
         touched.clear()
         chosen = _zigzag_ranks(*mirror, cap, length, doc_work, allowed,
-                               density if fill_aware else 0.0, density)
+                               density * fill_share if fill_aware else 0.0, density)
         if chosen is None:
             spill.append((doc, length))  # no m ranks have room for shares: split for tokens
             continue
