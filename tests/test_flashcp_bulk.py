@@ -8,6 +8,7 @@ import pytest
 
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.flashcp import bulk
+from planner_service.solvers.flashcp.place import place
 from planner_service.solvers.flashcp.ranks import Ranks
 from planner_service.solvers.flashcp.solve import flashcp_layout
 from planner_service.solvers.registry import solve
@@ -212,3 +213,34 @@ def test_many_one_token_docs_with_a_long_one() -> None:
     seq = [1] * 6000 + [2, 3, 4, 5, 6] * 200 + [30000]
     for n in (8, 64):
         _check_plan(seq, n)
+
+
+@pytest.mark.parametrize("seed", [39, 348, 415, 441, 495, 730])
+def test_fill_reserve_keeps_room_for_the_fill(seed: int) -> None:
+    """``place`` with ``fill_reserve`` 1, on heads it places whole (lognormal lengths):
+    each rank's workload plus its room left (the least its fill can weigh) stays within
+    the allowed workload, which without the reserve it does not; the docs it turns away
+    are spilled, none lost; with 0, as without it."""
+    rng = np.random.default_rng(seed)
+    n, docs = int(rng.integers(2, 9)), int(rng.integers(20, 200))
+    seq = np.maximum(1, rng.lognormal(2.5, 1.2, docs).astype(np.int64)).tolist()
+    lengths = np.array(seq, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable").tolist()
+    total_work = int((lengths * (lengths + 1) // 2).sum())
+    allowed = 1.05 * total_work / n
+    head = order[:int(rng.integers(n, docs // 2))]
+
+    def ends(ranks: Ranks) -> int:
+        assert all(s.start == 0 and s.end == seq[s.doc] for r in ranks.shards for s in r)
+        return max(w + ranks.capacity - t for w, t in zip(ranks.work, ranks.tokens,
+                                                          strict=True))
+
+    ranks, spill = place(seq, head, n, allowed, True, total_work, lengths=lengths,
+                         fill_reserve=1)
+    assert ends(ranks) <= allowed and spill
+    assert sorted([s.doc for r in ranks.shards for s in r] + [d for d, _ in spill]) == sorted(head)
+    plain, plain_spill = place(seq, head, n, allowed, True, total_work, lengths=lengths)
+    assert ends(plain) > allowed
+    zero, zero_spill = place(seq, head, n, allowed, True, total_work, lengths=lengths,
+                             fill_reserve=0)
+    assert plain.shards == zero.shards and plain_spill == zero_spill

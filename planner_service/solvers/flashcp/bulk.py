@@ -12,14 +12,15 @@ and a run from the back (light), split so its workload comes nearest the mean at
 it; the last rank takes the middle. ``cut`` turns the runs into shards: every rank ends
 with exactly T tokens (the last ranks' shortfall aside), at most 2 short docs split per
 rank. It is tried only where the short docs are at most 1 / ``BULK_ROOM`` of a rank's
-tokens. An extended head is laid out for the fill (``bulk_layout``): fill-aware zigzag
-widths, its spill zigzagged, the fill serving the ranks from both ends of the need order.
+tokens. On many ranks the head is laid out for the fill (``bulk_layout``): whole docs
+only where the rank's room left still fits within R, fill-aware zigzag widths, its
+spill zigzagged, the fill serving the ranks from both ends of the need order.
 If R is missed, ``refine.exchange`` rebalances as ``place.finish`` does; the caller falls
 back to the full passes if it still is.
 
 Complexity, D docs on N ranks: the head O((H + N) log N) for its H <= ``HEAD_CAP`` N docs,
-plus ``place``'s cost for docs that must be split and O(N log N) per spilled doc of an
-extended head; the fill O(D) prefix sums, O(N log D log T) bisections, O(D log D) numpy
+plus ``place``'s cost for docs that must be split and, on many ranks, O(N log N) per
+spilled doc; the fill O(D) prefix sums, O(N log D log T) bisections, O(D log D) numpy
 to cut and O(D + N) Python to append the shards.
 """
 
@@ -49,7 +50,7 @@ HEAD_PER_RANK = 4
 HEAD_CAP = 16
 """Docs per rank the head may hold at most (``bulk_head``)."""
 HEAD_FILL_SHARE = 0.25
-"""Share of the short docs' mean density an extended head's zigzag widths count for a
+"""Share of the short docs' mean density the head's zigzag widths count for a
 rank's later fill (``place``'s ``fill_share``): the fill brings each rank to the mean
 from both ends of the stream, so a rank's room may take much lighter tokens than the
 mean; counting the mean density (a share of 1) makes the zigzags wider than balance
@@ -58,9 +59,11 @@ to 4x the most KV any rank receives at a share of 1; 0.2 to 0.33 alike; at 0.1 s
 layouts miss R)."""
 EXTEND_RANKS = 256
 """Ranks from which the head is extended to every doc too long for the fill
-(``bulk_head``). On fewer, the balanced pass over every doc takes at most about 200 ms on
-100,000 mixed docs and, with its comm-aware passes, its layouts send 2-4x less KV than the
-extended bulk pass's (D = 10,000 at N = 8 and 64); on N = 1,024 it takes 3-4x as long."""
+(``bulk_head``) and the bulk layout made for the fill (``bulk_layout``). On fewer ranks
+the plans stay those of the 4N head or of the full passes: made for the fill there (10,000
+and 100,000 mixed docs of 8 sources at N = 8 and 64), the layouts meet R as those do and
+take up to 9x less time (D = 100,000 at N = 64, Web-like lengths: 56 instead of 506 ms),
+but the most KV a rank receives moves both ways (from -84% to +32%)."""
 BULK_ROOM = 48
 """A rank's T tokens over the longest short doc, at least: each rank's fill is two runs
 of the short docs, cut at doc granularity, so its density misses by about two short docs
@@ -238,24 +241,27 @@ def bulk_layout(doc_lengths: Sequence[int], order: list[int], lengths: np.ndarra
     the lengths as int64, ``head`` the docs placed by the balanced pass (``bulk_head``);
     the caller checks R.
 
-    A head extended past ``HEAD_PER_RANK`` x N docs (long docs among many short ones, on
-    many ranks) leaves the ranks' needs far apart, so its layout is made for the fill:
-    the balanced pass zigzags with part of the fill counted (``place``'s fill-aware
-    widths, at ``HEAD_FILL_SHARE`` of the density of the docs left), its spill (docs no
-    rank has room for whole) is zigzagged too (``zigzag_spill``) rather than split for
-    tokens onto the roomiest ranks, which the fill could not bring back within R, and the
-    fill serves the ranks from both ends of the need order. A head of 4N docs is placed
-    without the fill counted, its spill split for tokens, the fill by need order."""
+    On at least ``EXTEND_RANKS`` ranks (where the head may be extended: long docs among
+    many short ones leave the ranks' needs far apart) the layout is made for the fill:
+    the balanced pass takes a doc whole only if the rank's room left, at 1 a token (the
+    least a token weighs), stays within R (``place``'s ``fill_reserve``), and zigzags with
+    part of the fill counted (fill-aware widths, at ``HEAD_FILL_SHARE`` of the density
+    of the docs left); its spill (docs no rank takes whole) is zigzagged too
+    (``zigzag_spill``) rather than split for tokens onto the roomiest ranks, which the
+    fill could not bring back within R; and the fill serves the ranks from both ends of
+    the need order. On fewer ranks the head is placed without the fill counted, its spill
+    split for tokens, the fill by need order."""
     head = min(len(order), head)
-    extended = head > HEAD_PER_RANK * n
-    ranks, spill = place(doc_lengths, order[:head], n, allowed, extended, total_work,
-                         lengths=lengths, fill_share=HEAD_FILL_SHARE)
+    for_fill = n >= EXTEND_RANKS
+    ranks, spill = place(doc_lengths, order[:head], n, allowed, for_fill, total_work,
+                         lengths=lengths, fill_share=HEAD_FILL_SHARE,
+                         fill_reserve=1 if for_fill else 0)
     tail = np.array(order[head:], dtype=np.int64)
     stream = lengths[tail]
-    if extended:
+    if for_fill:
         spill = zigzag_spill(ranks, spill, allowed, stream)
     split_spill(ranks, spill, tail_largest=False)
-    cut(ranks, tail, stream, stream_intervals(ranks, stream.tolist(), total_work / n, extended))
+    cut(ranks, tail, stream, stream_intervals(ranks, stream.tolist(), total_work / n, for_fill))
     if imbalance(ranks.work) > allowed * n / sum(ranks.work):
         exchange(ranks, allowed)
     return ranks
