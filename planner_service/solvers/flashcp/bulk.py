@@ -60,10 +60,11 @@ layouts miss R)."""
 EXTEND_RANKS = 256
 """Ranks from which the head is extended to every doc too long for the fill
 (``bulk_head``) and the bulk layout made for the fill (``bulk_layout``). On fewer ranks
-the plans stay those of the 4N head or of the full passes: made for the fill there (10,000
-and 100,000 mixed docs of 8 sources at N = 8 and 64), the layouts meet R as those do and
-take up to 9x less time (D = 100,000 at N = 64, Web-like lengths: 56 instead of 506 ms),
-but the most KV a rank receives moves both ways (from -84% to +32%)."""
+the plans stay those of the 4N head or of the full passes: made for the fill there
+(10,000 and 100,000 mixed docs of 8 sources at N = 8 and 64), the layouts meet R as
+those do and take up to 9x less time (D = 100,000 at N = 64, Web-like lengths: about
+60 instead of 506 ms), but the most KV a rank receives moves both ways (from -84% to
++32%)."""
 BULK_ROOM = 48
 """A rank's T tokens over the longest short doc, at least: each rank's fill is two runs
 of the short docs, cut at doc granularity, so its density misses by about two short docs
