@@ -8,6 +8,7 @@ import pytest
 
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.flashcp import bulk
+from planner_service.solvers.flashcp.place import place
 from planner_service.solvers.flashcp.ranks import Ranks
 from planner_service.solvers.flashcp.solve import flashcp_layout
 from planner_service.solvers.registry import solve
@@ -79,3 +80,167 @@ def test_sorted_union_equals_numpy_union(seed: int) -> None:
                  (starts[:0], starts[:0]), (starts, starts)):
         got, want = bulk.sorted_union(a, b), np.union1d(a, b)
         assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def _head_reference(lengths: list[int], n: int) -> int:
+    """``bulk.bulk_head``'s rule in plain Python: lengths longest first."""
+    d = len(lengths)
+    if (n < 2 or d <= bulk.BULK_DOCS or d < bulk.BULK_PER_RANK * n
+            or d <= bulk.HEAD_PER_RANK * n):
+        return 0
+    cap = -(-sum(lengths) // n)
+    head = bulk.HEAD_PER_RANK * n
+    while head < d and lengths[head] * bulk.BULK_ROOM > cap:
+        head += 1
+    if head > bulk.HEAD_PER_RANK * n and n < bulk.EXTEND_RANKS:
+        return 0
+    if head > bulk.HEAD_CAP * n or d - head < (bulk.BULK_PER_RANK - bulk.HEAD_PER_RANK) * n:
+        return 0
+    short = lengths[head:]
+    if sum(a != b for a, b in zip(short[:-1], short[1:], strict=True)) < bulk.FEW_LENGTHS:
+        return 0
+    return head
+
+
+def _mixed(seed: int, docs: int, long_share: float) -> list[int]:
+    """Short lognormal docs with a share of long ones (hundreds to thousands of tokens)."""
+    rng = np.random.default_rng(seed)
+    short = np.maximum(1, rng.lognormal(1.5, 0.8, docs).astype(np.int64))
+    long = rng.integers(100, 3000, docs)
+    return np.where(rng.random(docs) < long_share, long, short).tolist()
+
+
+@pytest.mark.parametrize(("seed", "docs", "n", "long_share"), [
+    (0, 5000, 8, 0.0), (1, 20000, 256, 0.05), (2, 20000, 256, 0.3), (3, 50000, 1024, 0.1),
+    (4, 8000, 64, 0.02), (5, 16384, 1024, 0.01), (6, 20000, 1, 0.1), (7, 20000, 512, 0.0)])
+def test_bulk_head_matches_reference(seed: int, docs: int, n: int, long_share: float) -> None:
+    seq = sorted(_mixed(seed, docs, long_share), reverse=True)
+    assert bulk.bulk_head(np.array(seq, dtype=np.int64), n) == _head_reference(seq, n)
+
+
+def test_bulk_head_edges() -> None:
+    by_length = lambda seq: np.array(sorted(seq, reverse=True), dtype=np.int64)  # noqa: E731
+    assert bulk.bulk_head(by_length(_mixed(0, 20000, 0.1)), 1) == 0  # one rank
+    assert bulk.bulk_head(by_length([1] * 20000), 64) == 0  # one length: the balanced pass
+    # Nearly as many ranks as tokens (T = 2): fewer than BULK_PER_RANK docs per rank, so
+    # not tried (docs hold at least a token each: the bulk pass never sees more ranks
+    # than tokens).
+    assert bulk.bulk_head(by_length([1] * 5000 + [2] * 5000), 8192) == 0
+    assert bulk.bulk_head(by_length([1] * 5000 + [2] * 5000), 20000) == 0
+    # One long doc among many short ones: the 4N longest already leave short docs only.
+    one = [50000] + [1 + i % 9 for i in range(20000)]
+    assert bulk.bulk_head(by_length(one), 64) == bulk.HEAD_PER_RANK * 64
+    # Long docs beyond the 4N longest on fewer than EXTEND_RANKS ranks: not tried.
+    assert bulk.bulk_head(by_length(_mixed(4, 8000, 0.1)), 64) == 0
+    # Long docs beyond HEAD_CAP per rank: not tried.
+    assert bulk.bulk_head(by_length(_mixed(1, 20000, 0.9)), 256) == 0
+    # Where the 4N longest leave short docs only, the head is 4N (the rule before the
+    # head adapted), and where more are long, it holds every long doc.
+    seq = by_length(_mixed(2, 20000, 0.1))
+    head = bulk.bulk_head(seq, 256)
+    cap = -(-int(seq.sum()) // 256)
+    assert head > bulk.HEAD_PER_RANK * 256
+    assert bulk.BULK_ROOM * int(seq[head]) <= cap < bulk.BULK_ROOM * int(seq[head - 1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 9])
+def test_need_order_both_ends(n: int) -> None:
+    """``need_order`` with ``both_ends``: the need order's first, last, second, second
+    last, ...; a permutation of the ranks."""
+    rng = np.random.default_rng(n)
+    ranks = Ranks(n, 100)
+    for r in range(n):
+        ranks.tokens[r] = int(rng.integers(0, 100))
+        ranks.work[r] = int(rng.integers(0, 5000))
+    plain = bulk.need_order(ranks, 3000.0, False)
+    assert sorted(plain) == list(range(n))
+    want = []
+    lo, hi = 0, n - 1
+    while lo <= hi:
+        want.append(plain[lo])
+        lo += 1
+        if lo <= hi:
+            want.append(plain[hi])
+            hi -= 1
+    assert bulk.need_order(ranks, 3000.0, True) == want
+
+
+def _check_plan(seq: list[int], n: int) -> tuple[bool, float]:
+    """A valid flashcp plan that meets R or declares it: (declared met, imbalance)."""
+    request = PlanRequest(doc_lengths=tuple(seq), cp_size=n, context_length=None,
+                          imbalance_target=1.05)
+    layout = flashcp_layout(seq, request)
+    shards = layout.groups[0].shards
+    cap = -(-sum(seq) // n)
+    covered = [0] * len(seq)
+    work = []
+    for rank in shards:
+        assert sum(s.end - s.start for s in rank) <= cap
+        work.append(sum((s.start + s.end + 1) * (s.end - s.start) // 2 for s in rank))
+        for s in rank:
+            assert 0 <= s.start < s.end <= seq[s.doc]
+            covered[s.doc] += s.end - s.start
+    assert covered == seq
+    imb = max(work) / (sum(work) / n)
+    met = imb <= 1.05
+    assert layout.info.get("imbalance_target_met", True) is met
+    solve(request, check=True)
+    return met, imb
+
+
+@pytest.mark.parametrize(("seed", "docs", "n", "long_share"), [
+    (1, 20000, 256, 0.1), (3, 50000, 1024, 0.1), (4, 30000, 512, 0.1)])
+def test_extended_head_plans_valid_and_meet_or_declare(seed: int, docs: int, n: int,
+                                                       long_share: float) -> None:
+    seq = _mixed(seed, docs, long_share)
+    head = bulk.bulk_head(np.array(sorted(seq, reverse=True), dtype=np.int64), n)
+    assert head > bulk.HEAD_PER_RANK * n  # the head is extended
+    _check_plan(seq, n)
+
+
+def test_extended_head_with_docs_longer_than_a_rank() -> None:
+    """Docs longer than T among the head (spilled, then zigzagged): valid plans."""
+    rng = np.random.default_rng(9)
+    seq = _mixed(9, 30000, 0.1)
+    cap = -(-sum(seq) // 512)
+    for i in rng.choice(len(seq), 40, replace=False).tolist():
+        seq[i] = int(rng.integers(cap + 1, 3 * cap))
+    _check_plan(seq, 512)
+
+
+def test_many_one_token_docs_with_a_long_one() -> None:
+    """Thousands of 1-token docs and a few short lengths, one long doc: valid plans."""
+    seq = [1] * 6000 + [2, 3, 4, 5, 6] * 200 + [30000]
+    for n in (8, 64):
+        _check_plan(seq, n)
+
+
+@pytest.mark.parametrize("seed", [39, 348, 415, 441, 495, 730])
+def test_fill_reserve_keeps_room_for_the_fill(seed: int) -> None:
+    """``place`` with ``fill_reserve`` 1, on heads it places whole (lognormal lengths):
+    each rank's workload plus its room left (the least its fill can weigh) stays within
+    the allowed workload, which without the reserve it does not; the docs it turns away
+    are spilled, none lost; with 0, as without it."""
+    rng = np.random.default_rng(seed)
+    n, docs = int(rng.integers(2, 9)), int(rng.integers(20, 200))
+    seq = np.maximum(1, rng.lognormal(2.5, 1.2, docs).astype(np.int64)).tolist()
+    lengths = np.array(seq, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable").tolist()
+    total_work = int((lengths * (lengths + 1) // 2).sum())
+    allowed = 1.05 * total_work / n
+    head = order[:int(rng.integers(n, docs // 2))]
+
+    def ends(ranks: Ranks) -> int:
+        assert all(s.start == 0 and s.end == seq[s.doc] for r in ranks.shards for s in r)
+        return max(w + ranks.capacity - t for w, t in zip(ranks.work, ranks.tokens,
+                                                          strict=True))
+
+    ranks, spill = place(seq, head, n, allowed, True, total_work, lengths=lengths,
+                         fill_reserve=1)
+    assert ends(ranks) <= allowed and spill
+    assert sorted([s.doc for r in ranks.shards for s in r] + [d for d, _ in spill]) == sorted(head)
+    plain, plain_spill = place(seq, head, n, allowed, True, total_work, lengths=lengths)
+    assert ends(plain) > allowed
+    zero, zero_spill = place(seq, head, n, allowed, True, total_work, lengths=lengths,
+                             fill_reserve=0)
+    assert plain.shards == zero.shards and plain_spill == zero_spill

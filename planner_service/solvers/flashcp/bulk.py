@@ -3,7 +3,8 @@ pass (``place.place``), the many short ones by a two-run fill computed from pref
 
 Above ``BULK_DOCS`` docs and ``BULK_PER_RANK`` docs per rank, placing every doc through
 the heap costs microseconds a doc (hundreds of milliseconds on 100,000 docs), yet most of
-them are short. The bulk pass places the ``HEAD_PER_RANK`` x N longest docs as the
+them are short. The bulk pass places the head (``bulk_head``: the ``HEAD_PER_RANK`` x N
+longest docs, on many ranks extended to every doc too long for the fill) as the
 balanced pass does, splits its spill for tokens, then fills the rooms with the rest
 (``stream_intervals``): the short docs, longest first, are laid end to end; rank by rank
 (those needing the densest fill first) each takes its room as a run from the front (dense)
@@ -11,12 +12,16 @@ and a run from the back (light), split so its workload comes nearest the mean at
 it; the last rank takes the middle. ``cut`` turns the runs into shards: every rank ends
 with exactly T tokens (the last ranks' shortfall aside), at most 2 short docs split per
 rank. It is tried only where the short docs are at most 1 / ``BULK_ROOM`` of a rank's
-tokens (``bulk_applies``). If R is missed, ``refine.exchange`` rebalances as
-``place.finish`` does; the caller falls back to the full passes if it still is.
+tokens. On many ranks the head is laid out for the fill (``bulk_layout``): whole docs
+only where the rank's room left still fits within R, fill-aware zigzag widths, its
+spill zigzagged, the fill serving the ranks from both ends of the need order.
+If R is missed, ``refine.exchange`` rebalances as ``place.finish`` does; the caller falls
+back to the full passes if it still is.
 
-Complexity, D docs on N ranks: the head O((H + N) log N) for H = HEAD_PER_RANK N, plus
-``place``'s cost for docs that must be split; the fill O(D) prefix sums, O(N log D log T)
-bisections, O(D log D) numpy to cut and O(D + N) Python to append the shards.
+Complexity, D docs on N ranks: the head O((H + N) log N) for its H <= ``HEAD_CAP`` N docs,
+plus ``place``'s cost for docs that must be split and, on many ranks, O(N log N) per
+spilled doc; the fill O(D) prefix sums, O(N log D log T) bisections, O(D log D) numpy
+to cut and O(D + N) Python to append the shards.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ import numpy as np
 from planner_service.core.cost import imbalance
 from planner_service.core.plan import Shard
 from planner_service.solvers.flashcp.paper import split_spill
-from planner_service.solvers.flashcp.place import place
-from planner_service.solvers.flashcp.ranks import Ranks, new_shard
+from planner_service.solvers.flashcp.place import _zigzag_ranks, place
+from planner_service.solvers.flashcp.ranks import Ranks, new_shard, zigzag
 from planner_service.solvers.flashcp.refine import exchange
 
 BULK_DOCS = 4096
@@ -41,7 +46,25 @@ BULK_PER_RANK = 16
 """Docs per rank from which the bulk pass is tried: fewer, and each rank's fill is too few
 docs to be a fair sample of the tail."""
 HEAD_PER_RANK = 4
-"""Longest docs per rank placed by the balanced pass before the fill."""
+"""Longest docs per rank placed by the balanced pass before the fill, at least."""
+HEAD_CAP = 16
+"""Docs per rank the head may hold at most (``bulk_head``)."""
+HEAD_FILL_SHARE = 0.25
+"""Share of the short docs' mean density the head's zigzag widths count for a
+rank's later fill (``place``'s ``fill_share``): the fill brings each rank to the mean
+from both ends of the stream, so a rank's room may take much lighter tokens than the
+mean; counting the mean density (a share of 1) makes the zigzags wider than balance
+needs, and every rank a zigzag adds receives KV (on 100,000 mixed docs at N = 1,024: up
+to 4x the most KV any rank receives at a share of 1; 0.2 to 0.33 alike; at 0.1 some
+layouts miss R)."""
+EXTEND_RANKS = 256
+"""Ranks from which the head is extended to every doc too long for the fill
+(``bulk_head``) and the bulk layout made for the fill (``bulk_layout``). On fewer ranks
+the plans stay those of the 4N head or of the full passes: made for the fill there
+(10,000 and 100,000 mixed docs of 8 sources at N = 8 and 64), the layouts meet R as
+those do and take up to 9x less time (D = 100,000 at N = 64, Web-like lengths: about
+60 instead of 506 ms), but the most KV a rank receives moves both ways (from -84% to
++32%)."""
 BULK_ROOM = 48
 """A rank's T tokens over the longest short doc, at least: each rank's fill is two runs
 of the short docs, cut at doc granularity, so its density misses by about two short docs
@@ -55,29 +78,51 @@ places each run of equal docs in blocks (``runs.py``), faster than the fill for 
 (100,000 docs of 2M tokens: lengths 20 and 21)."""
 
 
-def bulk_applies(lengths_by_length: np.ndarray, n: int) -> bool:
-    """The bulk pass is tried: many docs, many per rank, and the short docs (all but the
-    ``HEAD_PER_RANK`` x N longest; ``lengths_by_length``: the lengths longest first) at
-    most 1 / ``BULK_ROOM`` of a rank's T tokens (module docstring), and of at least
-    ``FEW_LENGTHS`` lengths. O(D)."""
+def bulk_head(lengths_by_length: np.ndarray, n: int) -> int:
+    """Docs the bulk pass places by the balanced pass (its head), or 0 if it is not tried.
+
+    The head is the ``HEAD_PER_RANK`` x N longest docs (``lengths_by_length``: the
+    lengths longest first); on at least ``EXTEND_RANKS`` ranks it is extended to every doc
+    longer than 1 / ``BULK_ROOM`` of a rank's T tokens, so the fill only sees docs short
+    enough for its density argument, up to ``HEAD_CAP`` x N docs, which bounds the head's
+    cost: O(HEAD_CAP N log N) in the balanced pass's heap, plus its cost for docs that must
+    be split. Not tried on few docs, few per rank, fewer than ``BULK_PER_RANK`` -
+    ``HEAD_PER_RANK`` short docs per rank, or short docs of fewer than ``FEW_LENGTHS``
+    lengths. Where the 4N longest leave short docs only, the head is 4N on any N. O(D)."""
     d = len(lengths_by_length)
     if n < 2 or d <= BULK_DOCS or d < BULK_PER_RANK * n or d <= HEAD_PER_RANK * n:
-        return False
-    short = lengths_by_length[HEAD_PER_RANK * n:]
-    if np.count_nonzero(short[1:] != short[:-1]) < FEW_LENGTHS:
-        return False  # a few runs of equal short docs: the balanced pass places them in blocks
-    longest_short = int(short[0])
+        return 0
     cap = -(-int(lengths_by_length.sum()) // n)
-    return BULK_ROOM * longest_short <= cap
+    # Docs longer than cap / BULK_ROOM (BULK_ROOM x length > cap), a prefix of the order.
+    long_docs = int(np.count_nonzero(BULK_ROOM * lengths_by_length > cap))
+    head = max(HEAD_PER_RANK * n, long_docs)
+    if head > HEAD_PER_RANK * n and n < EXTEND_RANKS:
+        return 0
+    if head > HEAD_CAP * n or d - head < (BULK_PER_RANK - HEAD_PER_RANK) * n:
+        return 0
+    short = lengths_by_length[head:]
+    if np.count_nonzero(short[1:] != short[:-1]) < FEW_LENGTHS:
+        return 0  # a few runs of equal short docs: the balanced pass places them in blocks
+    return head
 
 
-def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float) -> list[tuple[int, int, int]]:
+def bulk_applies(lengths_by_length: np.ndarray, n: int) -> bool:
+    """The bulk pass is tried (``bulk_head`` is positive). O(D)."""
+    return bulk_head(lengths_by_length, n) > 0
+
+
+def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float,
+                     both_ends: bool = False) -> list[tuple[int, int, int]]:
     """(start, end, rank) token intervals of the ``stream`` (the short docs' lengths,
     longest first, laid end to end) that fill every rank's room: each rank but the last
     takes its room as a run from the front (dense) and a run from the back (light) whose
     split brings its workload nearest ``goal`` at or below it; the last rank takes the
     middle. A token at doc offset t weighs t + 1, so prefix sums of the stream give any
-    run's exact workload. O(D + N log D log T) in Python (bisections per rank)."""
+    run's exact workload. Ranks go by need (workload per token of room to reach ``goal``),
+    densest first; with ``both_ends``, alternately the densest and the lightest need left,
+    so the ranks that need the lightest fill reach the back before the ranks that need a
+    dense one have taken it (``need_order``). O(D + N log D log T) in Python (bisections
+    per rank)."""
     tokens_at = [0, *accumulate(stream)]
     work_at = [0, *accumulate(length * (length + 1) // 2 for length in stream)]
 
@@ -89,9 +134,7 @@ def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float) -> list[t
     n, cap = len(ranks.tokens), ranks.capacity
     front, back = 0, tokens_at[-1]
     out = []
-    # Ranks needing the densest fill first, while the front is densest.
-    need = [(goal - ranks.work[r]) / max(1, cap - ranks.tokens[r]) for r in range(n)]
-    for i, r in enumerate(sorted(range(n), key=lambda r: (-need[r], r))):
+    for i, r in enumerate(need_order(ranks, goal, both_ends)):
         room = min(max(0, cap - ranks.tokens[r]), back - front)
         if i == n - 1 or room == back - front:
             if back > front:
@@ -112,6 +155,23 @@ def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float) -> list[t
         if room > lo:
             out.append((back - room + lo, back, r))
         front, back = front + lo, back - room + lo
+    return out
+
+
+def need_order(ranks: Ranks, goal: float, both_ends: bool) -> list[int]:
+    """The ranks in the order the fill serves them (``stream_intervals``): by need (the
+    workload per token of room that brings a rank to ``goal``), greatest first, ties by
+    rank; with ``both_ends``, the first, the last, the second, the second last, ... of
+    that order, so the median needs come last, when the stream's middle is left.
+    O(N log N)."""
+    n, cap = len(ranks.tokens), ranks.capacity
+    need = [(goal - ranks.work[r]) / max(1, cap - ranks.tokens[r]) for r in range(n)]
+    by_need = sorted(range(n), key=lambda r: (-need[r], r))
+    if not both_ends:
+        return by_need
+    out = [0] * n
+    out[0::2] = by_need[:(n + 1) // 2]
+    out[1::2] = by_need[::-1][:n // 2]
     return out
 
 
@@ -177,16 +237,58 @@ def cut_reference(ranks: Ranks, docs: Sequence[int], lengths: Sequence[int],
 
 
 def bulk_layout(doc_lengths: Sequence[int], order: list[int], lengths: np.ndarray, n: int,
-                allowed: float, total_work: int) -> Ranks:
+                allowed: float, total_work: int, head: int) -> Ranks:
     """The bulk pass's layout (module docstring): ``order`` is longest first, ``lengths``
-    the lengths as int64; the caller checks R."""
-    head = min(len(order), HEAD_PER_RANK * n)
-    ranks, spill = place(doc_lengths, order[:head], n, allowed, False, total_work,
-                         lengths=lengths)
-    split_spill(ranks, spill, tail_largest=False)
+    the lengths as int64, ``head`` the docs placed by the balanced pass (``bulk_head``);
+    the caller checks R.
+
+    On at least ``EXTEND_RANKS`` ranks (where the head may be extended: long docs among
+    many short ones leave the ranks' needs far apart) the layout is made for the fill:
+    the balanced pass takes a doc whole only if the rank's room left, at 1 a token (the
+    least a token weighs), stays within R (``place``'s ``fill_reserve``), and zigzags with
+    part of the fill counted (fill-aware widths, at ``HEAD_FILL_SHARE`` of the density
+    of the docs left); its spill (docs no rank takes whole) is zigzagged too
+    (``zigzag_spill``) rather than split for tokens onto the roomiest ranks, which the
+    fill could not bring back within R; and the fill serves the ranks from both ends of
+    the need order. On fewer ranks the head is placed without the fill counted, its spill
+    split for tokens, the fill by need order."""
+    head = min(len(order), head)
+    for_fill = n >= EXTEND_RANKS
+    ranks, spill = place(doc_lengths, order[:head], n, allowed, for_fill, total_work,
+                         lengths=lengths, fill_share=HEAD_FILL_SHARE,
+                         fill_reserve=1 if for_fill else 0)
     tail = np.array(order[head:], dtype=np.int64)
     stream = lengths[tail]
-    cut(ranks, tail, stream, stream_intervals(ranks, stream.tolist(), total_work / n))
+    if for_fill:
+        spill = zigzag_spill(ranks, spill, allowed, stream)
+    split_spill(ranks, spill, tail_largest=False)
+    cut(ranks, tail, stream, stream_intervals(ranks, stream.tolist(), total_work / n, for_fill))
     if imbalance(ranks.work) > allowed * n / sum(ranks.work):
         exchange(ranks, allowed)
     return ranks
+
+
+def zigzag_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], allowed: float,
+                 stream: np.ndarray) -> list[tuple[int, int]]:
+    """Zigzag each spilled (doc, length) of at least 2 tokens over the fewest most lagging
+    ranks with room whose expected workloads, their rooms then filled at
+    ``HEAD_FILL_SHARE`` of the ``stream``'s density, stay within ``allowed``
+    (``place._zigzag_ranks``); the docs left (1-token docs, or no ranks with room for
+    equal shares) are returned, for ``split_spill``. O(N log N) per doc."""
+    tokens_left = int(stream.sum())
+    density = float((stream * (stream + 1) // 2).sum()) / tokens_left if tokens_left else 0.0
+    left = []
+    for doc, length in spill:
+        if length < 2:
+            left.append((doc, length))
+            continue
+        work_f = np.array(ranks.work, dtype=np.int64).astype(np.float64)
+        tokens_f = np.array(ranks.tokens, dtype=np.int64).astype(np.float64)
+        chosen = _zigzag_ranks(work_f, tokens_f, ranks.capacity, length,
+                               length * (length + 1) // 2, allowed,
+                               HEAD_FILL_SHARE * density, density)
+        if chosen is None:
+            left.append((doc, length))
+        else:
+            zigzag(ranks, chosen, doc, length)
+    return left

@@ -87,12 +87,17 @@ def ends(ranks: Ranks, rank: int, share: float, load: float, density: float) -> 
 def place(
     doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, fill_aware: bool,
     total_work: int, nested: bool = False, lengths: np.ndarray | None = None,
-    whole: Whole | None = None,
+    whole: Whole | None = None, fill_share: float = 1.0, fill_reserve: int = 0,
 ) -> tuple[Ranks, list[tuple[int, int]]]:
     """The layout so far and the docs left to split for tokens (module docstring;
     ``total_work``: the docs' total workload; ``lengths``: ``doc_lengths`` as an int64
     array, if at hand; ``whole``: the docs' whole shards, if at hand: ``ranks.Whole``,
-    else each made as its doc is placed)."""
+    else each made as its doc is placed; ``fill_share``: the share of the density of the
+    docs left that fill-aware zigzag widths count for a rank's later fill;
+    ``fill_reserve``: workload per token of room a rank keeps free for its later fill
+    when it takes a doc whole, e.g. 1, the least a token weighs, where every rank is
+    filled to T tokens later; then runs of equal docs go one by one, since the block
+    placements do not count it)."""
     rest_tokens = sum(doc_lengths)
     rest_work = total_work
     cap = -(-rest_tokens // n)
@@ -125,7 +130,8 @@ def place(
     # where the heap is exact, else by ``place_run_exact``. docs -> (position in
     # ``order``, docs left in its run, tries so far) for the docs where it is tried next.
     heads = {doc: (at, left, 0) for doc, (at, left) in run_heads(
-        doc_lengths if lengths is None else lengths, order).items()} if total_work < EXACT else {}
+        doc_lengths if lengths is None else lengths, order).items()} if (
+        total_work < EXACT and not fill_reserve) else {}
     run_placement = place_run if n <= REFRESH else place_run_exact
     docs = iter(order)
     for doc in docs:
@@ -192,7 +198,8 @@ def place(
                     continue
                 best = r
                 break
-        if best >= 0 and work[best] + doc_work <= allowed:
+        if best >= 0 and work[best] + doc_work + (
+                fill_reserve * (cap - tokens[best] - length) if fill_reserve else 0) <= allowed:
             # ranks.add(best, doc, 0, length) inlined: most docs take this path.
             shards[best].append(new_shard(Shard, (doc, 0, length)) if whole is None
                                 else whole[doc])
@@ -227,7 +234,7 @@ def place(
         mirror = mirrored(mirror, work, tokens, touched)
         touched.clear()
         chosen = _zigzag_ranks(*mirror, cap, length, doc_work, allowed,
-                               density if fill_aware else 0.0, density)
+                               density * fill_share if fill_aware else 0.0, density)
         if chosen is None:
             spill.append((doc, length))  # no m ranks have room for shares: split for tokens
             continue

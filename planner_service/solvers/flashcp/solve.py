@@ -32,12 +32,13 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
    - ``full`` and ``p2p_ring``: every layout moves (N - 1) x T tokens; the most balanced
      layout wins (ties: the all-to-all-v receive).
 
-0. Requests of many short docs (``bulk.bulk_applies``: over ``bulk.BULK_DOCS`` docs, the
-   docs past the 4N longest each at most 1 / ``bulk.BULK_ROOM`` of a rank's tokens) try
-   the bulk pass first (``bulk.py``: the 4N longest by the balanced pass, the rest by a
-   vectorised two-run fill); if it meets R it is the only layout found (step 2 still
-   chooses, e.g. against Algorithm 1 under compact all-gather), else the steps below run
-   and it counts as a fallback.
+0. Requests of many short docs (``bulk.bulk_head``: over ``bulk.BULK_DOCS`` docs, the
+   docs past the 4N longest each at most 1 / ``bulk.BULK_ROOM`` of a rank's tokens; on
+   at least ``bulk.EXTEND_RANKS`` ranks, past every doc longer than that, up to
+   ``bulk.HEAD_CAP`` x N docs) try the bulk pass first (``bulk.py``: that head by the
+   balanced pass, the rest by a vectorised two-run fill); if it meets R it is the only
+   layout found (step 2 still chooses, e.g. against Algorithm 1 under compact
+   all-gather), else the steps below run and it counts as a fallback.
 
 3. If no pass meets R, Algorithm 1 (``paper.py``) within ``PAPER_WORK``; if that misses R
    too, Algorithm 1 again with more Per-Doc docs (up to ``paper.MAX_PER_DOC``, within
@@ -47,11 +48,12 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
    found (pass or Algorithm 1) is returned; if it misses R, the strategy's info says so
    (``balance.declared``: ``imbalance_target_met`` false and ``imbalance_reached``).
 
-Complexity, D docs on N ranks: the bulk pass O(N log N) per head doc plus O(D log D) numpy
-and O(D + N log D log T) Python for the fill (``bulk.py``); each pass O((D + N) log N) plus O(N log N) per doc that
-must be split (``place.py``); the extra passes, the descent and the nested pass run only
-on requests of at most ``SEARCH_BUDGET``, ``SPILL_BUDGET`` and ``NESTED_BUDGET`` docs x
-ranks; measuring a layout is O(s) for its s shards; Algorithm 1 runs K + 1 rounds with
+Complexity, D docs on N ranks: the bulk pass O(log N) per head doc (at most
+``bulk.HEAD_CAP`` N of them) and O(N log N) per head doc that must be split, plus
+O(D log D) numpy and O(D + N log D log T) Python for the fill (``bulk.py``); each pass
+O((D + N) log N) plus O(N log N) per doc that must be split (``place.py``); the extra
+passes, the descent and the nested pass run only on requests of at most
+``SEARCH_BUDGET``, ``SPILL_BUDGET`` and ``NESTED_BUDGET`` docs x ranks; measuring a layout is O(s) for its s shards; Algorithm 1 runs K + 1 rounds with
 K (D + N K) within ``PAPER_WORK`` (``paper_rounds``; at least one round), each
 O((D + N) log N + N K), and where it misses R once more within ``PAPER_RETRY_WORK``.
 """
@@ -69,7 +71,7 @@ from planner_service.core.paths import COMM_MODES
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.balance import declared
-from planner_service.solvers.flashcp.bulk import bulk_applies, bulk_layout
+from planner_service.solvers.flashcp.bulk import bulk_head, bulk_layout
 from planner_service.solvers.flashcp.paper import MAX_PER_DOC, algorithm1
 from planner_service.solvers.flashcp.place import finish, place
 from planner_service.solvers.flashcp.ranks import Ranks, measure, whole_shards, zigzagged
@@ -254,8 +256,9 @@ def flashcp_solve(
     fallback: tuple[float, Ranks] | None = None
     steps = DESCENT_STEPS if len(order) * n <= SEARCH_BUDGET and comm_mode not in (
         "full", "p2p_ring") else 0
-    if bulk_applies(lengths[order], n):
-        ranks = bulk_layout(doc_lengths, order, lengths, n, allowed, total_work)
+    head = bulk_head(lengths[order], n)
+    if head:
+        ranks = bulk_layout(doc_lengths, order, lengths, n, allowed, total_work, head)
         imb = imbalance(ranks.work)
         if imb <= target:
             receive, doubled = measure(ranks)
