@@ -6,8 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.scale import mixed_lengths
+from planner_service.core.cost import imbalance
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.flashcp import bulk
+from planner_service.solvers.flashcp import solve as flashcp_solve_module
 from planner_service.solvers.flashcp.place import place
 from planner_service.solvers.flashcp.ranks import Ranks
 from planner_service.solvers.flashcp.solve import flashcp_layout
@@ -244,3 +247,29 @@ def test_fill_reserve_keeps_room_for_the_fill(seed: int) -> None:
     zero, zero_spill = place(seq, head, n, allowed, True, total_work, lengths=lengths,
                              fill_reserve=0)
     assert plain.shards == zero.shards and plain_spill == zero_spill
+
+
+def test_below_extend_ranks_the_layout_made_for_the_fill_follows_a_plain_miss(monkeypatch) -> None:
+    """On fewer than EXTEND_RANKS ranks the plain bulk layout is tried first; where it misses
+    R (Wikipedia-like lengths, 20,000 docs at N = 32) the layout made for the fill comes
+    next, and meeting R it gives the plan, without any full pass."""
+    seq = mixed_lengths("family:wikipedia", 20000, 400_000)
+    n = 32
+    assert n < bulk.EXTEND_RANKS
+    lengths = np.asarray(seq, dtype=np.int64)
+    order = sorted(range(len(seq)), key=lambda i: (-seq[i], i))
+    head = bulk.bulk_head(lengths[order], n)
+    assert head
+    total_work = int((lengths * (lengths + 1) // 2).sum())
+    allowed = 1.05 * total_work / n
+    made = [bulk.bulk_layout(seq, order, lengths, n, allowed, total_work, head, f)
+            for f in (False, True)]
+    assert imbalance(made[0].work) > 1.05 >= imbalance(made[1].work)
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a full pass ran")
+
+    monkeypatch.setattr(flashcp_solve_module, "passes", no_pass)
+    plan = solve(PlanRequest(doc_lengths=tuple(seq), cp_size=n, imbalance_target=1.05,
+                             context_length=None))
+    assert plan.metrics.imbalance <= 1.05

@@ -237,7 +237,8 @@ def cut_reference(ranks: Ranks, docs: Sequence[int], lengths: Sequence[int],
 
 
 def bulk_layout(doc_lengths: Sequence[int], order: list[int], lengths: np.ndarray, n: int,
-                allowed: float, total_work: int, head: int) -> Ranks:
+                allowed: float, total_work: int, head: int, for_fill: bool | None = None
+                ) -> Ranks:
     """The bulk pass's layout (module docstring): ``order`` is longest first, ``lengths``
     the lengths as int64, ``head`` the docs placed by the balanced pass (``bulk_head``);
     the caller checks R.
@@ -251,9 +252,11 @@ def bulk_layout(doc_lengths: Sequence[int], order: list[int], lengths: np.ndarra
     (``zigzag_spill``) rather than split for tokens onto the roomiest ranks, which the
     fill could not bring back within R; and the fill serves the ranks from both ends of
     the need order. On fewer ranks the head is placed without the fill counted, its spill
-    split for tokens, the fill by need order."""
+    split for tokens, the fill by need order; ``for_fill`` chooses either layout on any N
+    (the caller tries the one made for the fill where the other misses R)."""
     head = min(len(order), head)
-    for_fill = n >= EXTEND_RANKS
+    if for_fill is None:
+        for_fill = n >= EXTEND_RANKS
     ranks, spill = place(doc_lengths, order[:head], n, allowed, for_fill, total_work,
                          lengths=lengths, fill_share=HEAD_FILL_SHARE,
                          fill_reserve=1 if for_fill else 0)

@@ -71,7 +71,7 @@ from planner_service.core.paths import COMM_MODES
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.balance import declared
-from planner_service.solvers.flashcp.bulk import bulk_head, bulk_layout
+from planner_service.solvers.flashcp.bulk import EXTEND_RANKS, bulk_head, bulk_layout
 from planner_service.solvers.flashcp.paper import MAX_PER_DOC, algorithm1
 from planner_service.solvers.flashcp.place import finish, place
 from planner_service.solvers.flashcp.ranks import Ranks, measure, whole_shards, zigzagged
@@ -257,14 +257,18 @@ def flashcp_solve(
     steps = DESCENT_STEPS if len(order) * n <= SEARCH_BUDGET and comm_mode not in (
         "full", "p2p_ring") else 0
     head = bulk_head(lengths[order], n)
-    if head:
-        ranks = bulk_layout(doc_lengths, order, lengths, n, allowed, total_work, head)
+    # The bulk layout; on fewer than EXTEND_RANKS ranks, where it misses R, the one made for
+    # the fill next (bulk.bulk_layout), before the full passes.
+    for for_fill in ((None,) if n >= EXTEND_RANKS else (False, True)) if head else ():
+        ranks = bulk_layout(doc_lengths, order, lengths, n, allowed, total_work, head,
+                            for_fill)
         imb = imbalance(ranks.work)
         if imb <= target:
             receive, doubled = measure(ranks)
             return _choose([Found(receive, 0, ranks, False, doubled)], doc_lengths, n, target,
                            total_work, allowed, steps, comm_mode, cost)
-        fallback = (imb, ranks)
+        if fallback is None or imb < fallback[0]:
+            fallback = (imb, ranks)
     # Every doc's whole shard, shared by the layouts after the first (``ranks.Whole``):
     # made once a second layout is to be built (most large requests need one).
     whole: list[Shard] | None = None
