@@ -36,9 +36,11 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
    docs past the 4N longest each at most 1 / ``bulk.BULK_ROOM`` of a rank's tokens; on
    at least ``bulk.EXTEND_RANKS`` ranks, past every doc longer than that, up to
    ``bulk.HEAD_CAP`` x N docs) try the bulk pass first (``bulk.py``: that head by the
-   balanced pass, the rest by a vectorised two-run fill); if it meets R it is the only
-   layout found (step 2 still chooses, e.g. against Algorithm 1 under compact
-   all-gather), else the steps below run and it counts as a fallback.
+   balanced pass, the rest by a vectorised two-run fill; on fewer than
+   ``bulk.EXTEND_RANKS`` ranks, where that layout misses R, the one made for the fill
+   next); if it meets R it is the only layout found (step 2 still chooses, e.g. against
+   Algorithm 1 under compact all-gather), else the steps below run and the more balanced
+   bulk layout counts as a fallback.
 
 3. If no pass meets R, Algorithm 1 (``paper.py``) within ``PAPER_WORK``; if that misses R
    too, Algorithm 1 again with more Per-Doc docs (up to ``paper.MAX_PER_DOC``, within
