@@ -20,8 +20,8 @@ caches, frequency).
    exponents: the slope of log time against log K on the diagonal.
 2. **flashcp on mixed lengths**: D documents drawn from each shared data set and family,
    scaled to 2M tokens in all (each length x 2M / their sum, rounded, at least 1), and D
-   equal documents, at N = 8 and 1,024: CPU ms of ``flashcp_layout`` (min of two), and
-   the imbalance reached. Growth exponent in D per N.
+   equal documents, at N = 8, 64, 256, 512 and 1,024: CPU ms of ``flashcp_layout`` (min
+   of two), and the imbalance reached. Growth exponent in D per N.
 3. **Balance contract**: packed 32K and 128K sequences of every data set and family at N
    = 4 .. 64 and the mixed-length cells, solved by flashcp and flashcp_paper: how many miss
    R = 1.05, and how many of those do not declare it (must be 0).
@@ -68,7 +68,7 @@ class Config:
             (256, 256), (1024, 1024), (4096, 4096))
         self.sources = ("wlbllm", "family:pile") if quick else SOURCES
         self.docs = (100, 1000) if quick else (1000, 10_000, 100_000)
-        self.doc_cps = (8, 64) if quick else (8, 1024)
+        self.doc_cps = (8, 64) if quick else (8, 64, 256, 512, 1024)
         self.contract_sequences = 1 if quick else 4
         self.contract_cps = (4, 64) if quick else (4, 8, 16, 32, 64)
         self.allgather_sequences = 2 if quick else 20
