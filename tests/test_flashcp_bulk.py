@@ -42,16 +42,16 @@ def test_cut_matches_reference(seed: int) -> None:
 def test_bulk_plans_valid_and_meet_or_declare(seed: int, n: int) -> None:
     seq = _lengths(seed, 5000)
     lengths = np.array(seq, dtype=np.int64)
-    assert bulk.bulk_applies(np.sort(lengths)[::-1], n)
+    assert bulk.bulk_head(np.sort(lengths)[::-1], n) > 0
     _check_plan(seq, n)
 
 
 def test_bulk_not_tried_on_few_docs() -> None:
-    assert not bulk.bulk_applies(np.full(4000, 5, dtype=np.int64), 8)
-    assert not bulk.bulk_applies(np.full(5000, 5, dtype=np.int64), 1024)
-    assert not bulk.bulk_applies(np.full(100000, 20, dtype=np.int64), 8)  # one equal run
+    assert not bulk.bulk_head(np.full(4000, 5, dtype=np.int64), 8)
+    assert not bulk.bulk_head(np.full(5000, 5, dtype=np.int64), 1024)
+    assert not bulk.bulk_head(np.full(100000, 20, dtype=np.int64), 8)  # one equal run
     two = np.array([21] * 97152 + [20] * 2848, dtype=np.int64)
-    assert not bulk.bulk_applies(two, 1024)
+    assert not bulk.bulk_head(two, 1024)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -35,7 +35,7 @@ import numpy as np
 from planner_service.core.cost import imbalance
 from planner_service.core.plan import Shard
 from planner_service.solvers.flashcp.paper import split_spill
-from planner_service.solvers.flashcp.place import _zigzag_ranks, place
+from planner_service.solvers.flashcp.place import place, zigzag_ranks
 from planner_service.solvers.flashcp.ranks import Ranks, new_shard, zigzag
 from planner_service.solvers.flashcp.refine import exchange
 
@@ -105,11 +105,6 @@ def bulk_head(lengths_by_length: np.ndarray, n: int) -> int:
     if np.count_nonzero(short[1:] != short[:-1]) < FEW_LENGTHS:
         return 0  # a few runs of equal short docs: the balanced pass places them in blocks
     return head
-
-
-def bulk_applies(lengths_by_length: np.ndarray, n: int) -> bool:
-    """The bulk pass is tried (``bulk_head`` is positive). O(D)."""
-    return bulk_head(lengths_by_length, n) > 0
 
 
 def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float,
@@ -277,7 +272,7 @@ def zigzag_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], allowed: float,
     """Zigzag each spilled (doc, length) of at least 2 tokens over the fewest most lagging
     ranks with room whose expected workloads, their rooms then filled at
     ``HEAD_FILL_SHARE`` of the ``stream``'s density, stay within ``allowed``
-    (``place._zigzag_ranks``); the docs left (1-token docs, or no ranks with room for
+    (``place.zigzag_ranks``); the docs left (1-token docs, or no ranks with room for
     equal shares) are returned, for ``split_spill``. O(N log N) per doc."""
     tokens_left = int(stream.sum())
     density = float((stream * (stream + 1) // 2).sum()) / tokens_left if tokens_left else 0.0
@@ -288,7 +283,7 @@ def zigzag_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], allowed: float,
             continue
         work_f = np.array(ranks.work, dtype=np.int64).astype(np.float64)
         tokens_f = np.array(ranks.tokens, dtype=np.int64).astype(np.float64)
-        chosen = _zigzag_ranks(work_f, tokens_f, ranks.capacity, length,
+        chosen = zigzag_ranks(work_f, tokens_f, ranks.capacity, length,
                                length * (length + 1) // 2, allowed,
                                HEAD_FILL_SHARE * density, density)
         if chosen is None:

@@ -111,7 +111,7 @@ def place(
     dirty: list[int] = []  # ranks given a whole doc since ``lightest`` was last read
     density = float("inf")
     need = [0] * n  # KV each rank needs so far (cost.alltoallv_receives, kept up to date)
-    # The workloads and token counts as float arrays for ``_zigzag_ranks``, brought up to
+    # The workloads and token counts as float arrays for ``zigzag_ranks``, brought up to
     # date from the ranks changed since (``touched``) when a doc must be split.
     mirror: tuple[np.ndarray, np.ndarray] | None = None
     touched: list[int] = []
@@ -233,7 +233,7 @@ def place(
             continue
         mirror = mirrored(mirror, work, tokens, touched)
         touched.clear()
-        chosen = _zigzag_ranks(*mirror, cap, length, doc_work, allowed,
+        chosen = zigzag_ranks(*mirror, cap, length, doc_work, allowed,
                                density * fill_share if fill_aware else 0.0, density)
         if chosen is None:
             spill.append((doc, length))  # no m ranks have room for shares: split for tokens
@@ -282,7 +282,7 @@ def mirrored(mirror: tuple[np.ndarray, np.ndarray] | None, work: list[int], toke
     return mirror
 
 
-def _zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: int,
+def zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: int,
                   doc_work: int, allowed: float, fill: float,
                   density: float) -> list[int] | None:
     """The fewest most lagging ranks with room for equal shares of the doc whose expected
