@@ -10,6 +10,7 @@ from bench.scale import mixed_lengths
 from planner_service.core.cost import imbalance
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.flashcp import bulk
+from planner_service.solvers.flashcp import place as place_module
 from planner_service.solvers.flashcp import solve as flashcp_solve_module
 from planner_service.solvers.flashcp.place import place
 from planner_service.solvers.flashcp.ranks import Ranks
@@ -118,7 +119,7 @@ def test_bulk_head_edges() -> None:
     one = [50000] + [1 + i % 9 for i in range(20000)]
     assert bulk.bulk_head(by_length(one), 64) == bulk.HEAD_PER_RANK * 64
     # Long docs beyond the 4N longest on fewer than EXTEND_RANKS ranks: not tried.
-    assert bulk.bulk_head(by_length(_mixed(4, 8000, 0.1)), 64) == 0
+    assert bulk.bulk_head(by_length(_mixed(4, 8000, 0.1)), 32) == 0
     # Long docs beyond HEAD_CAP per rank: not tried.
     assert bulk.bulk_head(by_length(_mixed(1, 20000, 0.9)), 256) == 0
     # Where the 4N longest leave short docs only, the head is 4N (the rule before the
@@ -257,3 +258,105 @@ def test_below_extend_ranks_the_layout_made_for_the_fill_follows_a_plain_miss(mo
     plan = solve(PlanRequest(doc_lengths=tuple(seq), cp_size=n, imbalance_target=1.05,
                              context_length=None))
     assert plan.metrics.imbalance <= 1.05
+
+
+def test_fill_counted_at_its_density_follows_a_fill_layout_miss(monkeypatch) -> None:
+    """Where the layout made for the fill misses R because its head leaves ranks needing a
+    denser or lighter fill than the short docs hold (WLB-LLM lengths, 30,000 docs, 600K
+    tokens, N = 256: most docs near a rank's mean workload taken whole), the layout with
+    the fill counted at the short docs' own density comes next and meets R, without any
+    full pass."""
+    seq = mixed_lengths("wlbllm", 30000, 600_000)
+    n = 256
+    lengths = np.asarray(seq, dtype=np.int64)
+    order = sorted(range(len(seq)), key=lambda i: (-seq[i], i))
+    head = bulk.bulk_head(lengths[order], n)
+    tries = bulk.bulk_tries(lengths[order], n)
+    assert head and tries == [bulk.BulkTry(head, True, False),
+                              bulk.BulkTry(bulk.HEAD_PER_RANK * n, True, True)]
+    total_work = int((lengths * (lengths + 1) // 2).sum())
+    allowed = 1.05 * total_work / n
+    made = [bulk.bulk_layout(seq, order, lengths, n, allowed, total_work, *t) for t in tries]
+    assert imbalance(made[0].work) > 1.05 >= imbalance(made[1].work)
+    for ranks in made:
+        assert sum(ranks.tokens) == sum(seq) and max(ranks.tokens) <= ranks.capacity
+    _solved_without_full_passes(monkeypatch, seq, n)
+
+
+def test_fill_at_its_density_on_many_ranks_with_few_docs_each(monkeypatch) -> None:
+    """On many ranks with fewer than BULK_PER_RANK docs a rank (C4-like lengths, 5,000
+    docs, 2M tokens, N = 700) the bulk pass proper is not tried, the layout with the fill
+    at its density is, and meets R without any full pass (which reach 1.30 there)."""
+    seq = mixed_lengths("family:c4", 5000, 2_000_000)
+    n = 700
+    by_length = np.sort(np.asarray(seq, dtype=np.int64))[::-1]
+    assert bulk.bulk_head(by_length, n) == 0
+    assert bulk.bulk_tries(by_length, n) == [bulk.BulkTry(bulk.HEAD_PER_RANK * n, True, True)]
+    _solved_without_full_passes(monkeypatch, seq, n)
+
+
+def _solved_without_full_passes(monkeypatch, seq: list[int], n: int) -> None:
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a full pass ran")
+
+    monkeypatch.setattr(flashcp_solve_module, "passes", no_pass)
+    plan = solve(PlanRequest(doc_lengths=tuple(seq), cp_size=n, imbalance_target=1.05,
+                             context_length=None))
+    assert plan.metrics.imbalance <= 1.05
+
+
+def test_bulk_tries_edges() -> None:
+    def by_length(seq):
+        return np.sort(np.asarray(seq, dtype=np.int64))[::-1]
+
+    mixed = by_length(_mixed(0, 20000, 0.1))
+    assert bulk.bulk_tries(mixed, 1) == []
+    assert bulk.bulk_tries(mixed[:bulk.BULK_DOCS], 1024) == []  # few docs
+    # Fewer than DENSE_FILL_PER_RANK short docs a rank past the 4N longest.
+    assert bulk.DENSE_FILL_PER_RANK * 1024 == 2048
+    enough = by_length([500] * 4096 + list(range(1, 9)) * 256)
+    assert bulk.bulk_tries(enough, 1024) == [bulk.BulkTry(4096, True, True)]
+    assert bulk.bulk_tries(enough[:-1], 1024) == []
+    assert bulk.bulk_tries(by_length([7] * 4096 + [1, 2, 3] * 2000), 1024) == []  # 3 lengths
+    # Fewer than EXTEND_RANKS ranks and no bulk head: only the full passes.
+    assert bulk.bulk_head(by_length(_mixed(4, 8000, 0.1)), 32) == 0
+    assert bulk.bulk_tries(by_length(_mixed(4, 8000, 0.1)), 32) == []
+    stream = np.array([1, 2, 3], dtype=np.int64)
+    assert bulk.stream_density(stream) == (1 + 3 + 6) / 6
+    assert bulk.stream_density(stream[:0]) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_zigzag_ranks_matches_reference(seed: int) -> None:
+    """``place.zigzag_ranks`` (the lag order built for the most lagging ranks first) picks
+    the ranks ``zigzag_ranks_reference`` (the whole order) picks: few and many ranks,
+    tied lags (integer figures at an integer density), widths the partial order cannot
+    serve (little room, the widest width), and no width at all."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.choice([1, 2, 5, 64, 128, 129, 300, 700]))
+    capacity = int(rng.integers(50, 3000))
+    tokens = rng.integers(0, capacity + 1, n).astype(np.float64)
+    if seed % 3 == 0:
+        tokens[:] = rng.integers(0, 3, n) * (capacity // 4)  # many equal rooms
+    work = rng.integers(0, 10, n).astype(np.float64) * float(rng.integers(1, 1000))
+    density = float(rng.choice([0.0, 1.0, 7.0, rng.random() * 50]))
+    length = int(rng.choice([2, 17, capacity // 2, capacity * 3, n * 40 + 1]))
+    doc_work = length * (length + 1) // 2
+    allowed = float(work.max() + doc_work / rng.choice([1, 2, 8, 64, max(2, n)]))
+    fill = float(rng.choice([0.0, density, density / 4]))
+    args = (work, tokens, capacity, length, doc_work, allowed, fill, density)
+    assert place_module.zigzag_ranks(*args) == place_module.zigzag_ranks_reference(*args)
+
+
+def test_exchange_moves() -> None:
+    """More exchange moves only where few ranks pass R (at most 1 in FEW_OVER): OVER_MOVES
+    per rank over, at least the default."""
+    allowed = 10.0
+    n = 64
+    few = [11] * (n // bulk.FEW_OVER) + [9] * (n - n // bulk.FEW_OVER)
+    assert bulk.exchange_moves(few, allowed) == max(bulk.EXCHANGE_MOVES,
+                                                    bulk.OVER_MOVES * (n // bulk.FEW_OVER))
+    many = [11] * (n // bulk.FEW_OVER + 1) + [9] * (n - n // bulk.FEW_OVER - 1)
+    assert bulk.exchange_moves(many, allowed) == bulk.EXCHANGE_MOVES
+    assert bulk.exchange_moves([10] * n, allowed) == bulk.EXCHANGE_MOVES  # none over
+    assert bulk.exchange_moves([11] + [0] * 99, allowed) == bulk.EXCHANGE_MOVES

@@ -15,8 +15,9 @@ rank. It is tried only where the short docs are at most 1 / ``BULK_ROOM`` of a r
 tokens. On many ranks the head is laid out for the fill (``bulk_layout``): whole docs
 only where the rank's room left still fits within R, fill-aware zigzag widths, its
 spill zigzagged, the fill serving the ranks from both ends of the need order.
-If R is missed, ``refine.exchange`` rebalances as ``place.finish`` does; the caller falls
-back to the full passes if it still is.
+If R is missed, ``refine.exchange`` rebalances as ``place.finish`` does; where it still
+is, the caller tries the layout with the fill counted at the short docs' own density
+(``bulk_layout``'s ``at_density``), then falls back to the full passes.
 
 Complexity, D docs on N ranks: the head O((H + N) log N) for its H <= ``HEAD_CAP`` N docs,
 plus ``place``'s cost for docs that must be split and, on many ranks, O(N log N) per
@@ -28,14 +29,15 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from itertools import accumulate, repeat
+from itertools import repeat
+from typing import NamedTuple
 
 import numpy as np
 
 from planner_service.core.cost import imbalance
 from planner_service.core.plan import Shard
 from planner_service.solvers.flashcp.paper import split_spill
-from planner_service.solvers.flashcp.place import place, zigzag_ranks
+from planner_service.solvers.flashcp.place import mirrored, place, zigzag_ranks
 from planner_service.solvers.flashcp.ranks import Ranks, new_shard, zigzag
 from planner_service.solvers.flashcp.refine import exchange
 
@@ -57,15 +59,18 @@ mean; counting the mean density (a share of 1) makes the zigzags wider than bala
 needs, and every rank a zigzag adds receives KV (on 100,000 mixed docs at N = 1,024: up
 to 4x the most KV any rank receives at a share of 1; 0.2 to 0.33 alike; at 0.1 some
 layouts miss R)."""
-EXTEND_RANKS = 256
+EXTEND_RANKS = 64
 """Ranks from which the head is extended to every doc too long for the fill
 (``bulk_head``) and the bulk layout made for the fill (``bulk_layout``). On fewer ranks
-the plans stay those of the 4N head where it meets R: made for the fill there too
-(10,000 and 100,000 mixed docs of 8 sources at N = 8 and 64), the layouts meet R as
-those do and take up to 9x less time, but the most KV a rank receives moves both ways
-(from -84% to +32%). So on fewer ranks the layout made for the fill is tried only where
-the 4N head's plain layout misses R, in place of the full passes (D = 100,000 at N = 64,
-Web-like lengths: 116 instead of 492 ms, within R, half the KV)."""
+the plans stay those of the 4N head where it meets R, and the layout made for the fill
+is tried only where the 4N head's plain layout misses R. From 64 ranks the full passes
+take over 200 ms on many mixed-length inputs (2M tokens, 30,000 or 100,000 docs of the
+shared data sets and families at N = 64, 128 and 192: up to 290 ms, placing runs of
+equal docs one at a time), the bulk layouts 20-90 ms; on a grid of 495 such inputs (N =
+8 .. 1,024, 1,000 to 100,000 docs) moving the line from 256 to 64 ranks changed 106
+plans, all within R as before (and one that missed it now meets it), with the most KV a
+rank receives lower on 52 and higher on 53 (0.16x to 1.8x, and 0 to 293 tokens on one;
+geometric mean 0.84x)."""
 BULK_ROOM = 48
 """A rank's T tokens over the longest short doc, at least: each rank's fill is two runs
 of the short docs, cut at doc granularity, so its density misses by about two short docs
@@ -73,6 +78,17 @@ of the short docs, cut at doc granularity, so its density misses by about two sh
 imbalance cannot be corrected by the fill (100,000 mixed docs at N = 1,024)."""
 
 
+DENSE_FILL_PER_RANK = 2
+"""Short docs per rank, at least, past the 4N longest for the layout with the fill counted
+at its own density (``bulk_tries``): with fewer, the fill cannot bring every rank to the
+mean (mixed docs of 2M tokens at N = 1,024: 4,200 docs miss R on 8 of 10 sources, 6,000
+docs meet it on all ten)."""
+EXCHANGE_MOVES = 8
+"""Moves of ``refine.exchange`` on a bulk layout over R (its default)."""
+FEW_OVER = 16
+"""Ranks per rank over R at least for more exchange moves (``exchange_moves``)."""
+OVER_MOVES = 2
+"""Exchange moves per rank over R where few are (``exchange_moves``)."""
 FEW_LENGTHS = 4
 """Distinct short-doc lengths below which the bulk pass is not tried: the balanced pass
 places each run of equal docs in blocks (``runs.py``), faster than the fill for a few runs
@@ -107,6 +123,41 @@ def bulk_head(lengths_by_length: np.ndarray, n: int) -> int:
     return head
 
 
+class BulkTry(NamedTuple):
+    """One bulk layout to try (``bulk_layout``'s arguments)."""
+
+    head: int
+    """Docs placed by the balanced pass (the longest)."""
+    for_fill: bool
+    """The head laid out for the fill."""
+    at_density: bool
+    """The fill counted at its own density."""
+
+
+def bulk_tries(lengths_by_length: np.ndarray, n: int) -> list[BulkTry]:
+    """The bulk layouts flashcp tries before its full passes, in order, until one meets R
+    (``lengths_by_length``: the lengths longest first). Where the bulk pass applies
+    (``bulk_head``): on at least ``EXTEND_RANKS`` ranks the layout made for the fill, on
+    fewer the plain one, then the one made for the fill. Then, there and on any request
+    of at least ``EXTEND_RANKS`` ranks, over ``BULK_DOCS`` docs, at least
+    ``DENSE_FILL_PER_RANK`` short docs per rank past the ``HEAD_PER_RANK`` x N longest and
+    ``FEW_LENGTHS`` short lengths: the one with the 4N head and the fill counted at its
+    own density (``bulk_layout``'s ``at_density``), which meets R where the others leave
+    the fill ranks it cannot serve, and on many ranks with fewer than ``BULK_PER_RANK``
+    docs a rank, where the full passes take 200-280 ms on 6,000-14,000 mixed docs at N =
+    1,024 and mostly miss R (it meets R there on every mixed source in 50-110 ms). O(D)."""
+    head = bulk_head(lengths_by_length, n)
+    tries = ([BulkTry(head, True, False)] if n >= EXTEND_RANKS else
+             [BulkTry(head, False, False), BulkTry(head, True, False)]) if head else []
+    d, base = len(lengths_by_length), HEAD_PER_RANK * n
+    if ((head or n >= EXTEND_RANKS) and n >= 2 and d > BULK_DOCS
+            and d - base >= DENSE_FILL_PER_RANK * n):
+        short = lengths_by_length[base:]
+        if np.count_nonzero(short[1:] != short[:-1]) >= FEW_LENGTHS:
+            tries.append(BulkTry(base, True, True))
+    return tries
+
+
 def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float,
                      both_ends: bool = False) -> list[tuple[int, int, int]]:
     """(start, end, rank) token intervals of the ``stream`` (the short docs' lengths,
@@ -117,10 +168,12 @@ def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float,
     run's exact workload. Ranks go by need (workload per token of room to reach ``goal``),
     densest first; with ``both_ends``, alternately the densest and the lightest need left,
     so the ranks that need the lightest fill reach the back before the ranks that need a
-    dense one have taken it (``need_order``). O(D + N log D log T) in Python (bisections
-    per rank)."""
-    tokens_at = [0, *accumulate(stream)]
-    work_at = [0, *accumulate(length * (length + 1) // 2 for length in stream)]
+    dense one have taken it (``need_order``). O(D) numpy for the prefix sums (int64: the
+    short docs' workload is far below 2^63), O(N log D log T) Python for the bisections
+    per rank."""
+    lengths = np.asarray(stream, dtype=np.int64)
+    tokens_at = [0, *np.cumsum(lengths).tolist()]
+    work_at = [0, *np.cumsum(lengths * (lengths + 1) // 2).tolist()]
 
     def prefix(pos: int) -> int:  # workload of the stream's first pos tokens
         i = bisect_right(tokens_at, pos) - 1
@@ -233,61 +286,93 @@ def cut_reference(ranks: Ranks, docs: Sequence[int], lengths: Sequence[int],
 
 
 def bulk_layout(doc_lengths: Sequence[int], order: list[int], lengths: np.ndarray, n: int,
-                allowed: float, total_work: int, head: int, for_fill: bool | None = None
-                ) -> Ranks:
+                allowed: float, total_work: int, head: int, for_fill: bool,
+                at_density: bool = False) -> Ranks:
     """The bulk pass's layout (module docstring): ``order`` is longest first, ``lengths``
-    the lengths as int64, ``head`` the docs placed by the balanced pass (``bulk_head``);
+    the lengths as int64, ``head`` the docs placed by the balanced pass (``bulk_tries``);
     the caller checks R.
 
-    On at least ``EXTEND_RANKS`` ranks (where the head may be extended: long docs among
-    many short ones leave the ranks' needs far apart) the layout is made for the fill:
-    the balanced pass takes a doc whole only if the rank's room left, at 1 a token (the
-    least a token weighs), stays within R (``place``'s ``fill_reserve``), and zigzags with
-    part of the fill counted (fill-aware widths, at ``HEAD_FILL_SHARE`` of the density
-    of the docs left); its spill (docs no rank takes whole) is zigzagged too
-    (``zigzag_spill``) rather than split for tokens onto the roomiest ranks, which the
-    fill could not bring back within R; and the fill serves the ranks from both ends of
-    the need order. On fewer ranks the head is placed without the fill counted, its spill
-    split for tokens, the fill by need order; ``for_fill`` chooses either layout on any N
-    (the caller tries the one made for the fill where the other misses R)."""
+    With ``for_fill`` (on at least ``EXTEND_RANKS`` ranks, where the head may be
+    extended: long docs among many short ones leave the ranks' needs far apart; on fewer
+    where the plain layout misses R) the layout is made for the fill: the balanced pass
+    takes a doc whole only if the rank's room left, at 1 a token (the least a token
+    weighs), stays within R (``place``'s ``fill_reserve``), and zigzags with part of the
+    fill counted (fill-aware widths, at ``HEAD_FILL_SHARE`` of the density of the docs
+    left); its spill (docs no rank takes whole) is zigzagged too (``zigzag_spill``)
+    rather than split for tokens onto the roomiest ranks, which the fill could not bring
+    back within R; and the fill serves the ranks from both ends of the need order.
+    Without it the head is placed without the fill counted, its spill split for tokens,
+    the fill by need order.
+
+    With ``at_density`` (tried last, with the 4N head) the layout is made for the fill,
+    the fill counted at the short docs' own density (``stream_density``), not at 1 a
+    token: a doc goes whole only where the rank's room, filled at that density, keeps it
+    within the mean, and zigzag widths count the whole of that density. The fill must
+    bring every rank to the mean from the short docs, whose densities lie in a narrow
+    band; a head that leaves some ranks needing a much lighter fill (docs near a rank's
+    mean taken whole, their room to be filled almost for free) leaves the others needing
+    a denser one than the docs hold (WLB-LLM lengths, 100,000 docs, 2M tokens at N = 512: needs
+    from 0 to 22 a token against short docs of 2 to 21; the layout made for the fill
+    reaches 1.126, this one 1.014 and 1,080 tokens of KV a rank at most)."""
     head = min(len(order), head)
-    if for_fill is None:
-        for_fill = n >= EXTEND_RANKS
-    ranks, spill = place(doc_lengths, order[:head], n, allowed, for_fill, total_work,
-                         lengths=lengths, fill_share=HEAD_FILL_SHARE,
-                         fill_reserve=1 if for_fill else 0)
     tail = np.array(order[head:], dtype=np.int64)
     stream = lengths[tail]
+    share, reserve, whole_limit = HEAD_FILL_SHARE, 1.0 if for_fill else 0.0, None
+    if at_density:
+        # Every rank's room counted at the fill's own density: a doc goes whole only where
+        # the rank, its room then filled at that density, stays within the mean.
+        for_fill, share, whole_limit = True, 1.0, total_work / n
+        reserve = stream_density(stream)
+    ranks, spill = place(doc_lengths, order[:head], n, allowed, for_fill, total_work,
+                         lengths=lengths, fill_share=share, fill_reserve=reserve,
+                         whole_limit=whole_limit)
     if for_fill:
-        spill = zigzag_spill(ranks, spill, allowed, stream)
+        spill = zigzag_spill(ranks, spill, allowed, stream, share)
     split_spill(ranks, spill, tail_largest=False)
-    cut(ranks, tail, stream, stream_intervals(ranks, stream.tolist(), total_work / n, for_fill))
+    cut(ranks, tail, stream, stream_intervals(ranks, stream, total_work / n, for_fill))
     if imbalance(ranks.work) > allowed * n / sum(ranks.work):
-        exchange(ranks, allowed)
+        exchange(ranks, allowed, exchange_moves(ranks.work, allowed))
     return ranks
 
 
+def exchange_moves(work: Sequence[int], allowed: float) -> int:
+    """Moves ``refine.exchange`` may make on a bulk layout over ``allowed``: each brings
+    the busiest rank down, so with few ranks over (at most 1 / ``FEW_OVER`` of them) up
+    to ``OVER_MOVES`` per rank over, which is cheaper than the next layout (WLB-LLM
+    lengths, 100,000 docs, 2M tokens at N = 768: 45 ranks over, R met in about 45 moves,
+    25 ms); with many over the fill missed at its root, and the default 8. O(N)."""
+    over = sum(1 for w in work if w > allowed)
+    return max(EXCHANGE_MOVES, OVER_MOVES * over) if over * FEW_OVER <= len(work) else (
+        EXCHANGE_MOVES)
+
+
+def stream_density(stream: np.ndarray) -> float:
+    """The mean workload per token of the short docs' ``stream`` (0 if empty). O(D)."""
+    tokens = int(stream.sum())
+    return float((stream * (stream + 1) // 2).sum()) / tokens if tokens else 0.0
+
+
 def zigzag_spill(ranks: Ranks, spill: Sequence[tuple[int, int]], allowed: float,
-                 stream: np.ndarray) -> list[tuple[int, int]]:
+                 stream: np.ndarray, share: float = HEAD_FILL_SHARE) -> list[tuple[int, int]]:
     """Zigzag each spilled (doc, length) of at least 2 tokens over the fewest most lagging
-    ranks with room whose expected workloads, their rooms then filled at
-    ``HEAD_FILL_SHARE`` of the ``stream``'s density, stay within ``allowed``
+    ranks with room whose expected workloads, their rooms then filled at ``share`` of
+    the ``stream``'s density, stay within ``allowed``
     (``place.zigzag_ranks``); the docs left (1-token docs, or no ranks with room for
     equal shares) are returned, for ``split_spill``. O(N log N) per doc."""
-    tokens_left = int(stream.sum())
-    density = float((stream * (stream + 1) // 2).sum()) / tokens_left if tokens_left else 0.0
+    density = stream_density(stream)
     left = []
+    mirror = None  # the ranks' figures as float64 arrays (``place.mirrored``)
     for doc, length in spill:
         if length < 2:
             left.append((doc, length))
             continue
-        work_f = np.array(ranks.work, dtype=np.int64).astype(np.float64)
-        tokens_f = np.array(ranks.tokens, dtype=np.int64).astype(np.float64)
-        chosen = zigzag_ranks(work_f, tokens_f, ranks.capacity, length,
-                               length * (length + 1) // 2, allowed,
-                               HEAD_FILL_SHARE * density, density)
+        if mirror is None:
+            mirror = mirrored(None, ranks.work, ranks.tokens, [])
+        chosen = zigzag_ranks(*mirror, ranks.capacity, length, length * (length + 1) // 2,
+                               allowed, share * density, density)
         if chosen is None:
             left.append((doc, length))
         else:
             zigzag(ranks, chosen, doc, length)
+            mirror = mirrored(mirror, ranks.work, ranks.tokens, chosen)
     return left

@@ -64,6 +64,8 @@ LINEAR_WIDTHS = 16
 """Zigzag widths tried one by one; wider ones on a geometric grid."""
 WIDTH_GROWTH = 1.25
 """Ratio of consecutive zigzag widths above ``LINEAR_WIDTHS``."""
+LAG_PREFIX = 64
+"""Most lagging ranks ``zigzag_ranks`` orders first (most zigzags take a few of them)."""
 
 
 def widths(n: int) -> Iterator[int]:
@@ -87,7 +89,8 @@ def ends(ranks: Ranks, rank: int, share: float, load: float, density: float) -> 
 def place(
     doc_lengths: Sequence[int], order: Sequence[int], n: int, allowed: float, fill_aware: bool,
     total_work: int, nested: bool = False, lengths: np.ndarray | None = None,
-    whole: Whole | None = None, fill_share: float = 1.0, fill_reserve: int = 0,
+    whole: Whole | None = None, fill_share: float = 1.0, fill_reserve: float = 0,
+    whole_limit: float | None = None,
 ) -> tuple[Ranks, list[tuple[int, int]]]:
     """The layout so far and the docs left to split for tokens (module docstring;
     ``total_work``: the docs' total workload; ``lengths``: ``doc_lengths`` as an int64
@@ -97,9 +100,11 @@ def place(
     ``fill_reserve``: workload per token of room a rank keeps free for its later fill
     when it takes a doc whole, e.g. 1, the least a token weighs, where every rank is
     filled to T tokens later; then runs of equal docs go one by one, since the block
-    placements do not count it)."""
+    placements do not count it); ``whole_limit``: the workload a rank taking a doc whole
+    may reach with that reserve counted (default ``allowed``)."""
     rest_tokens = sum(doc_lengths)
     rest_work = total_work
+    limit = allowed if whole_limit is None else whole_limit
     cap = -(-rest_tokens // n)
     ranks = Ranks(n, cap, whole)
     shards, tokens, work = ranks.shards, ranks.tokens, ranks.work
@@ -199,7 +204,7 @@ def place(
                 best = r
                 break
         if best >= 0 and work[best] + doc_work + (
-                fill_reserve * (cap - tokens[best] - length) if fill_reserve else 0) <= allowed:
+                fill_reserve * (cap - tokens[best] - length) if fill_reserve else 0) <= limit:
             # ranks.add(best, doc, 0, length) inlined: most docs take this path.
             shards[best].append(new_shard(Shard, (doc, 0, length)) if whole is None
                                 else whole[doc])
@@ -288,11 +293,88 @@ def zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: in
     """The fewest most lagging ranks with room for equal shares of the doc whose expected
     final workloads (``ends``, filled at ``fill``) stay within ``allowed`` (the widest
     width tried, min(N, length), is taken regardless); None if no width has enough ranks
-    with room.
+    with room. Lag order: ascending work - tokens x density, ties by rank.
 
-    O(N log N) in numpy for the lag order, then O(N) per width tried; widths too narrow
-    for any rank's room, or too narrow for even the lightest rank to stay within
-    ``allowed``, are skipped (they cannot succeed)."""
+    The order is built for the ``LAG_PREFIX`` most lagging ranks first (with every rank
+    tied with the last of them: exactly the first ranks of the whole order), O(N) to
+    select them, and for every rank only where a width needs more; widths up to
+    ``LINEAR_WIDTHS`` are checked on those ranks in plain Python floats (the same
+    operations as numpy's, element by element), O(ranks scanned) each, wider ones in
+    numpy, O(N) each. Widths too narrow for any rank's room, or too narrow for even the
+    lightest rank (its room filled) to stay within ``allowed``, are skipped (they cannot
+    succeed). ``zigzag_ranks_reference`` sorts every rank and checks every width in
+    numpy."""
+    n = len(work)
+    room = capacity - tokens
+    most_room, lightest = float(room.max()), float(work.min())
+    narrowest = 2
+    if most_room > 0:
+        narrowest = max(narrowest, -(-length // int(most_room)))
+    if allowed > lightest:
+        narrowest = max(narrowest, int(doc_work / (allowed - lightest)))
+    widest = min(n, max(2, length))  # more ranks than tokens would hold nothing
+    lag = work - tokens * density
+    whole = n <= LAG_PREFIX
+    if whole:
+        by_lag = np.argsort(lag, kind="stable")
+    else:
+        # The ranks up to the LAG_PREFIX-th least lag, ties included, by (lag, rank).
+        first = np.flatnonzero(lag <= np.partition(lag, LAG_PREFIX - 1)[LAG_PREFIX - 1])
+        by_lag = first[np.argsort(lag[first], kind="stable")]
+    room_by_lag, work_by_lag = room[by_lag], work[by_lag]
+    rooms, works = room_by_lag.tolist(), work_by_lag.tolist()
+    # Every rank's expected final workload at any width m >= 2 is at least doc_work / m
+    # plus the least of work + max(0, room - length / 2) x fill: a width whose share
+    # passes ``allowed`` by more than any rounding of ``ends`` cannot succeed.
+    floor = float((work + np.maximum(0.0, room - length / 2) * fill).min())
+    limit = allowed * (1 + 1e-12)
+    for m in widths(widest):
+        if m < narrowest and m < widest:
+            continue
+        if m < widest and doc_work / m + floor > limit:
+            continue
+        share = -(-length // m)
+        if m <= LINEAR_WIDTHS:
+            picked = list(islice((i for i, r in enumerate(rooms) if r >= share), m))
+            if len(picked) == m:
+                if m == widest:
+                    return by_lag[picked].tolist()
+                # ``ends`` as below: (work + doc_work / m) + max(0, room - length / m) x fill.
+                per_token, per_share = length / m, doc_work / m
+                if all(works[i] + per_share + max(0.0, rooms[i] - per_token) * fill <= allowed
+                       for i in picked):
+                    return by_lag[picked].tolist()
+                continue
+        fit = (room_by_lag >= share).nonzero()[0][:m]
+        if len(fit) < m and not whole:
+            # Too few in the partial order: the whole order (whose first ranks it is).
+            whole = True
+            by_lag = np.argsort(lag, kind="stable")
+            room_by_lag, work_by_lag = room[by_lag], work[by_lag]
+            rooms, works = room_by_lag.tolist(), work_by_lag.tolist()
+            fit = (room_by_lag >= share).nonzero()[0][:m]
+        if len(fit) < m:
+            continue
+        if m == widest:
+            return by_lag[fit].tolist()
+        # The expected final workloads (``ends``) of the m ranks.
+        after = room_by_lag[fit]
+        after -= length / m
+        np.maximum(0.0, after, out=after)
+        after *= fill
+        ends = work_by_lag[fit]
+        ends += doc_work / m
+        ends += after
+        if ends.max() <= allowed:
+            return by_lag[fit].tolist()
+    return None
+
+
+def zigzag_ranks_reference(work: np.ndarray, tokens: np.ndarray, capacity: int, length: int,
+                  doc_work: int, allowed: float, fill: float,
+                  density: float) -> list[int] | None:
+    """``zigzag_ranks`` from the whole lag order (a stable argsort of every rank's lag):
+    O(N log N), then O(N) per width tried."""
     n = len(work)
     room = capacity - tokens
     most_room, lightest = float(room.max()), float(work.min())

@@ -38,9 +38,10 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
    ``bulk.HEAD_CAP`` x N docs) try the bulk pass first (``bulk.py``: that head by the
    balanced pass, the rest by a vectorised two-run fill; on fewer than
    ``bulk.EXTEND_RANKS`` ranks, where that layout misses R, the one made for the fill
-   next); if it meets R it is the only layout found (step 2 still chooses, e.g. against
-   Algorithm 1 under compact all-gather), else the steps below run and the more balanced
-   bulk layout counts as a fallback.
+   next; where the one made for the fill misses R, the one counting the fill at the
+   short docs' own density); if one meets R it is the only layout found (step 2 still
+   chooses, e.g. against Algorithm 1 under compact all-gather), else the steps below run
+   and the most balanced bulk layout counts as a fallback.
 
 3. If no pass meets R, Algorithm 1 (``paper.py``) within ``PAPER_WORK``; if that misses R
    too, Algorithm 1 again with more Per-Doc docs (up to ``paper.MAX_PER_DOC``, within
@@ -73,7 +74,7 @@ from planner_service.core.paths import COMM_MODES
 from planner_service.core.plan import Shard
 from planner_service.core.request import PlanRequest
 from planner_service.solvers.balance import declared
-from planner_service.solvers.flashcp.bulk import EXTEND_RANKS, bulk_head, bulk_layout
+from planner_service.solvers.flashcp.bulk import bulk_layout, bulk_tries
 from planner_service.solvers.flashcp.paper import MAX_PER_DOC, algorithm1
 from planner_service.solvers.flashcp.place import finish, place
 from planner_service.solvers.flashcp.ranks import Ranks, measure, whole_shards, zigzagged
@@ -258,12 +259,10 @@ def flashcp_solve(
     fallback: tuple[float, Ranks] | None = None
     steps = DESCENT_STEPS if len(order) * n <= SEARCH_BUDGET and comm_mode not in (
         "full", "p2p_ring") else 0
-    head = bulk_head(lengths[order], n)
-    # The bulk layout; on fewer than EXTEND_RANKS ranks, where it misses R, the one made for
-    # the fill next (bulk.bulk_layout), before the full passes.
-    for for_fill in ((None,) if n >= EXTEND_RANKS else (False, True)) if head else ():
+    # The bulk layouts, in order, before the full passes (bulk.bulk_tries).
+    for head, for_fill, at_density in bulk_tries(lengths[order], n):
         ranks = bulk_layout(doc_lengths, order, lengths, n, allowed, total_work, head,
-                            for_fill)
+                            for_fill, at_density)
         imb = imbalance(ranks.work)
         if imb <= target:
             receive, doubled = measure(ranks)
