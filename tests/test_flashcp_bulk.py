@@ -241,23 +241,11 @@ def test_below_extend_ranks_the_layout_made_for_the_fill_follows_a_plain_miss(mo
     seq = mixed_lengths("family:wikipedia", 20000, 400_000)
     n = 32
     assert n < bulk.EXTEND_RANKS
-    lengths = np.asarray(seq, dtype=np.int64)
-    order = sorted(range(len(seq)), key=lambda i: (-seq[i], i))
-    head = bulk.bulk_head(lengths[order], n)
+    head = bulk.bulk_head(np.sort(np.asarray(seq, dtype=np.int64))[::-1], n)
     assert head
-    total_work = int((lengths * (lengths + 1) // 2).sum())
-    allowed = 1.05 * total_work / n
-    made = [bulk.bulk_layout(seq, order, lengths, n, allowed, total_work, head, f)
-            for f in (False, True)]
+    made = _bulk_layouts(seq, n, [(head, False, False), (head, True, False)])
     assert imbalance(made[0].work) > 1.05 >= imbalance(made[1].work)
-
-    def no_pass(*args, **kwargs):
-        raise AssertionError("a full pass ran")
-
-    monkeypatch.setattr(flashcp_solve_module, "passes", no_pass)
-    plan = solve(PlanRequest(doc_lengths=tuple(seq), cp_size=n, imbalance_target=1.05,
-                             context_length=None))
-    assert plan.metrics.imbalance <= 1.05
+    _solved_without_full_passes(monkeypatch, seq, n)
 
 
 def test_fill_counted_at_its_density_follows_a_fill_layout_miss(monkeypatch) -> None:
@@ -268,15 +256,12 @@ def test_fill_counted_at_its_density_follows_a_fill_layout_miss(monkeypatch) -> 
     full pass."""
     seq = mixed_lengths("wlbllm", 30000, 600_000)
     n = 256
-    lengths = np.asarray(seq, dtype=np.int64)
-    order = sorted(range(len(seq)), key=lambda i: (-seq[i], i))
-    head = bulk.bulk_head(lengths[order], n)
-    tries = bulk.bulk_tries(lengths[order], n)
+    by_length = np.sort(np.asarray(seq, dtype=np.int64))[::-1]
+    head = bulk.bulk_head(by_length, n)
+    tries = bulk.bulk_tries(by_length, n)
     assert head and tries == [bulk.BulkTry(head, True, False),
                               bulk.BulkTry(bulk.HEAD_PER_RANK * n, True, True)]
-    total_work = int((lengths * (lengths + 1) // 2).sum())
-    allowed = 1.05 * total_work / n
-    made = [bulk.bulk_layout(seq, order, lengths, n, allowed, total_work, *t) for t in tries]
+    made = _bulk_layouts(seq, n, tries)
     assert imbalance(made[0].work) > 1.05 >= imbalance(made[1].work)
     for ranks in made:
         assert sum(ranks.tokens) == sum(seq) and max(ranks.tokens) <= ranks.capacity
@@ -293,6 +278,16 @@ def test_fill_at_its_density_on_many_ranks_with_few_docs_each(monkeypatch) -> No
     assert bulk.bulk_head(by_length, n) == 0
     assert bulk.bulk_tries(by_length, n) == [bulk.BulkTry(bulk.HEAD_PER_RANK * n, True, True)]
     _solved_without_full_passes(monkeypatch, seq, n)
+
+
+def _bulk_layouts(seq: list[int], n: int, tries) -> list[Ranks]:
+    """``bulk.bulk_layout`` for each (head, for_fill, at_density) of ``tries`` at R = 1.05,
+    as ``flashcp_solve`` calls it."""
+    lengths = np.asarray(seq, dtype=np.int64)
+    order = sorted(range(len(seq)), key=lambda i: (-seq[i], i))
+    total_work = int((lengths * (lengths + 1) // 2).sum())
+    allowed = 1.05 * total_work / n
+    return [bulk.bulk_layout(seq, order, lengths, n, allowed, total_work, *t) for t in tries]
 
 
 def _solved_without_full_passes(monkeypatch, seq: list[int], n: int) -> None:

@@ -306,12 +306,7 @@ def zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: in
     numpy."""
     n = len(work)
     room = capacity - tokens
-    most_room, lightest = float(room.max()), float(work.min())
-    narrowest = 2
-    if most_room > 0:
-        narrowest = max(narrowest, -(-length // int(most_room)))
-    if allowed > lightest:
-        narrowest = max(narrowest, int(doc_work / (allowed - lightest)))
+    narrowest = _narrowest(room, work, length, doc_work, allowed)
     widest = min(n, max(2, length))  # more ranks than tokens would hold nothing
     lag = work - tokens * density
     whole = n <= LAG_PREFIX
@@ -339,7 +334,7 @@ def zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: in
             if len(picked) == m:
                 if m == widest:
                     return by_lag[picked].tolist()
-                # ``ends`` as below: (work + doc_work / m) + max(0, room - length / m) x fill.
+                # ``_within`` in Python floats, element by element.
                 per_token, per_share = length / m, doc_work / m
                 if all(works[i] + per_share + max(0.0, rooms[i] - per_token) * fill <= allowed
                        for i in picked):
@@ -355,34 +350,20 @@ def zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: in
             fit = (room_by_lag >= share).nonzero()[0][:m]
         if len(fit) < m:
             continue
-        if m == widest:
-            return by_lag[fit].tolist()
-        # The expected final workloads (``ends``) of the m ranks.
-        after = room_by_lag[fit]
-        after -= length / m
-        np.maximum(0.0, after, out=after)
-        after *= fill
-        ends = work_by_lag[fit]
-        ends += doc_work / m
-        ends += after
-        if ends.max() <= allowed:
+        if m == widest or _within(room_by_lag[fit], work_by_lag[fit], length, doc_work, m,
+                                  fill, allowed):
             return by_lag[fit].tolist()
     return None
 
 
-def zigzag_ranks_reference(work: np.ndarray, tokens: np.ndarray, capacity: int, length: int,
-                  doc_work: int, allowed: float, fill: float,
-                  density: float) -> list[int] | None:
+def zigzag_ranks_reference(work: np.ndarray, tokens: np.ndarray, capacity: int,
+                           length: int, doc_work: int, allowed: float, fill: float,
+                           density: float) -> list[int] | None:
     """``zigzag_ranks`` from the whole lag order (a stable argsort of every rank's lag):
     O(N log N), then O(N) per width tried."""
     n = len(work)
     room = capacity - tokens
-    most_room, lightest = float(room.max()), float(work.min())
-    narrowest = 2
-    if most_room > 0:
-        narrowest = max(narrowest, -(-length // int(most_room)))
-    if allowed > lightest:
-        narrowest = max(narrowest, int(doc_work / (allowed - lightest)))
+    narrowest = _narrowest(room, work, length, doc_work, allowed)
     widest = min(n, max(2, length))  # more ranks than tokens would hold nothing
     # Lag order: ascending work - tokens x density, ties by rank (a stable sort).
     by_lag = np.argsort(work - tokens * density, kind="stable")
@@ -394,19 +375,36 @@ def zigzag_ranks_reference(work: np.ndarray, tokens: np.ndarray, capacity: int, 
         fit = (room_by_lag >= share).nonzero()[0][:m]
         if len(fit) < m:
             continue
-        if m == widest:
-            return by_lag[fit].tolist()
-        # The expected final workloads (``ends``) of the m ranks.
-        after = room_by_lag[fit]
-        after -= length / m
-        np.maximum(0.0, after, out=after)
-        after *= fill
-        ends = work_by_lag[fit]
-        ends += doc_work / m
-        ends += after
-        if ends.max() <= allowed:
+        if m == widest or _within(room_by_lag[fit], work_by_lag[fit], length, doc_work, m,
+                                  fill, allowed):
             return by_lag[fit].tolist()
     return None
+
+
+def _narrowest(room: np.ndarray, work: np.ndarray, length: int, doc_work: int,
+               allowed: float) -> int:
+    """The narrowest zigzag width that can succeed: enough for the roomiest rank's room,
+    and for the lightest rank to stay within ``allowed`` (at least 2). O(N)."""
+    most_room, lightest = float(room.max()), float(work.min())
+    narrowest = 2
+    if most_room > 0:
+        narrowest = max(narrowest, -(-length // int(most_room)))
+    if allowed > lightest:
+        narrowest = max(narrowest, int(doc_work / (allowed - lightest)))
+    return narrowest
+
+
+def _within(room: np.ndarray, work: np.ndarray, length: int, doc_work: int, m: int,
+            fill: float, allowed: float) -> bool:
+    """Whether m ranks (their ``room`` and ``work``) taking equal shares of the doc stay
+    within ``allowed`` at their expected final workloads (``ends``): (work + doc_work /
+    m) + max(0, room - length / m) x fill, in float64. O(m)."""
+    after = room - length / m
+    np.maximum(0.0, after, out=after)
+    after *= fill
+    ends = work + doc_work / m
+    ends += after
+    return bool(ends.max() <= allowed)
 
 
 def finish(ranks: Ranks, spill: Sequence[tuple[int, int]], allowed: float, tail_largest: bool) -> None:
