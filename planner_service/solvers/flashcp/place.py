@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Sequence
-from itertools import islice
+from itertools import chain, islice
 
 import numpy as np
 
@@ -295,21 +295,25 @@ def zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: in
     width tried, min(N, length), is taken regardless); None if no width has enough ranks
     with room. Lag order: ascending work - tokens x density, ties by rank.
 
-    The order is built for the ``LAG_PREFIX`` most lagging ranks first (with every rank
-    tied with the last of them: exactly the first ranks of the whole order), O(N) to
-    select them, and for every rank only where a width needs more; widths up to
-    ``LINEAR_WIDTHS`` are checked on those ranks in plain Python floats (the same
-    operations as numpy's, element by element), O(ranks scanned) each, wider ones in
-    numpy, O(N) each. Widths too narrow for any rank's room, or too narrow for even the
-    lightest rank (its room filled) to stay within ``allowed``, are skipped (they cannot
-    succeed). ``zigzag_ranks_reference`` sorts every rank and checks every width in
-    numpy."""
+    Where the narrowest width tried is at most ``LINEAR_WIDTHS``, the order is built for
+    the ``LAG_PREFIX`` most lagging ranks first (with every rank tied with the last of
+    them: exactly the first ranks of the whole order), O(N) to select them, and for
+    every rank only where a width needs more; widths up to ``LINEAR_WIDTHS`` are checked
+    in plain Python floats (the same operations as numpy's, element by element), O(ranks
+    scanned) each, wider ones in numpy, O(N) each. Widths too narrow for any rank's room, or too narrow for even the
+    lightest rank to stay within ``allowed``, are skipped (they cannot succeed).
+    ``zigzag_ranks_reference`` sorts every rank and checks every width in numpy."""
     n = len(work)
     room = capacity - tokens
     narrowest = _narrowest(room, work, length, doc_work, allowed)
     widest = min(n, max(2, length))  # more ranks than tokens would hold nothing
     lag = work - tokens * density
-    whole = n <= LAG_PREFIX
+    tried = (m for m in widths(widest) if m >= narrowest or m >= widest)
+    first_width = next(tried, None)
+    if first_width is None:
+        return None
+    # The partial order where the narrowest width tried is checked in Python.
+    whole = n <= LAG_PREFIX or first_width > LINEAR_WIDTHS
     if whole:
         by_lag = np.argsort(lag, kind="stable")
     else:
@@ -317,20 +321,14 @@ def zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: in
         first = np.flatnonzero(lag <= np.partition(lag, LAG_PREFIX - 1)[LAG_PREFIX - 1])
         by_lag = first[np.argsort(lag[first], kind="stable")]
     room_by_lag, work_by_lag = room[by_lag], work[by_lag]
-    rooms, works = room_by_lag.tolist(), work_by_lag.tolist()
-    # Every rank's expected final workload at any width m >= 2 is at least doc_work / m
-    # plus the least of work + max(0, room - length / 2) x fill: a width whose share
-    # passes ``allowed`` by more than any rounding of ``ends`` cannot succeed.
-    floor = float((work + np.maximum(0.0, room - length / 2) * fill).min())
-    limit = allowed * (1 + 1e-12)
-    for m in widths(widest):
-        if m < narrowest and m < widest:
-            continue
-        if m < widest and doc_work / m + floor > limit:
-            continue
+    rooms: list[float] = []  # ``room_by_lag`` and ``work_by_lag`` as lists, once needed
+    works: list[float] = []
+    for m in chain((first_width,), tried):
         share = -(-length // m)
         if m <= LINEAR_WIDTHS:
-            picked = list(islice((i for i, r in enumerate(rooms) if r >= share), m))
+            if not rooms:
+                rooms, works = room_by_lag.tolist(), work_by_lag.tolist()
+            picked = (room_by_lag >= share).nonzero()[0][:m].tolist()
             if len(picked) == m:
                 if m == widest:
                     return by_lag[picked].tolist()
@@ -346,7 +344,7 @@ def zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: in
             whole = True
             by_lag = np.argsort(lag, kind="stable")
             room_by_lag, work_by_lag = room[by_lag], work[by_lag]
-            rooms, works = room_by_lag.tolist(), work_by_lag.tolist()
+            rooms = works = []
             fit = (room_by_lag >= share).nonzero()[0][:m]
         if len(fit) < m:
             continue
