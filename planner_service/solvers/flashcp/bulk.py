@@ -22,7 +22,8 @@ is, the caller tries the layout with the fill counted at the short docs' own den
 Complexity, D docs on N ranks: the head O((H + N) log N) for its H <= ``HEAD_CAP`` N docs,
 plus ``place``'s cost for docs that must be split and, on many ranks, O(N log N) per
 spilled doc; the fill O(D) prefix sums, O(N log D log T) bisections, O(D log D) numpy
-to cut and O(D + N) Python to append the shards.
+to cut and O(D + N) Python to append the shards; then at most max(8, N / 8) exchange
+moves (``exchange_moves``). At most three such layouts per request (``bulk_tries``).
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ LINEAR_WIDTHS = 16
 WIDTH_GROWTH = 1.25
 """Ratio of consecutive zigzag widths above ``LINEAR_WIDTHS``."""
 LAG_PREFIX = 64
-"""Most lagging ranks ``zigzag_ranks`` orders first (most zigzags take a few of them)."""
+"""Most lagging ranks ``zigzag_ranks`` orders first where the narrow widths are tried (a
+zigzag's ranks are the most lagging with room; narrow ones take a few)."""
 
 
 def widths(n: int) -> Iterator[int]:
@@ -300,9 +301,10 @@ def zigzag_ranks(work: np.ndarray, tokens: np.ndarray, capacity: int, length: in
     them: exactly the first ranks of the whole order), O(N) to select them, and for
     every rank only where a width needs more; widths up to ``LINEAR_WIDTHS`` are checked
     in plain Python floats (the same operations as numpy's, element by element), O(ranks
-    scanned) each, wider ones in numpy, O(N) each. Widths too narrow for any rank's room, or too narrow for even the
-    lightest rank to stay within ``allowed``, are skipped (they cannot succeed).
-    ``zigzag_ranks_reference`` sorts every rank and checks every width in numpy."""
+    scanned) each, wider ones in numpy, O(N) each. Widths too narrow for any rank's room,
+    or too narrow for even the lightest rank to stay within ``allowed``, are skipped
+    (they cannot succeed). ``zigzag_ranks_reference`` sorts every rank and checks every
+    width in numpy."""
     n = len(work)
     room = capacity - tokens
     narrowest = _narrowest(room, work, length, doc_work, allowed)

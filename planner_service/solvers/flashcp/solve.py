@@ -32,16 +32,17 @@ shortfall, which is explicit padding) and workload at most R x mean where it can
    - ``full`` and ``p2p_ring``: every layout moves (N - 1) x T tokens; the most balanced
      layout wins (ties: the all-to-all-v receive).
 
-0. Requests of many short docs (``bulk.bulk_head``: over ``bulk.BULK_DOCS`` docs, the
-   docs past the 4N longest each at most 1 / ``bulk.BULK_ROOM`` of a rank's tokens; on
-   at least ``bulk.EXTEND_RANKS`` ranks, past every doc longer than that, up to
-   ``bulk.HEAD_CAP`` x N docs) try the bulk pass first (``bulk.py``: that head by the
-   balanced pass, the rest by a vectorised two-run fill; on fewer than
-   ``bulk.EXTEND_RANKS`` ranks, where that layout misses R, the one made for the fill
-   next; where the one made for the fill misses R, the one counting the fill at the
-   short docs' own density); if one meets R it is the only layout found (step 2 still
-   chooses, e.g. against Algorithm 1 under compact all-gather), else the steps below run
-   and the most balanced bulk layout counts as a fallback.
+0. Requests of many short docs try the bulk layouts first, in the order of
+   ``bulk.bulk_tries``: where the bulk pass applies (``bulk.bulk_head``: over
+   ``bulk.BULK_DOCS`` docs, the docs past the 4N longest each at most 1 /
+   ``bulk.BULK_ROOM`` of a rank's tokens; on at least ``bulk.EXTEND_RANKS`` ranks, past
+   every doc longer than that, up to ``bulk.HEAD_CAP`` x N docs; ``bulk.py``: that head
+   by the balanced pass, the rest by a vectorised two-run fill) the layout made for the
+   fill on many ranks, the plain one then that on fewer; then, there and on many ranks
+   with few docs a rank, the one counting the fill at the short docs' own density. If
+   one meets R it is the only layout found (step 2 still chooses, e.g. against
+   Algorithm 1 under compact all-gather), else the steps below run and the most balanced
+   bulk layout counts as a fallback.
 
 3. If no pass meets R, Algorithm 1 (``paper.py``) within ``PAPER_WORK``; if that misses R
    too, Algorithm 1 again with more Per-Doc docs (up to ``paper.MAX_PER_DOC``, within
