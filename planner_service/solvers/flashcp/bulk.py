@@ -312,9 +312,9 @@ def bulk_layout(doc_lengths: Sequence[int], order: list[int], lengths: np.ndarra
     bring every rank to the mean from the short docs, whose densities lie in a narrow
     band; a head that leaves some ranks needing a much lighter fill (docs near a rank's
     mean taken whole, their room to be filled almost for free) leaves the others needing
-    a denser one than the docs hold (WLB-LLM lengths, 100,000 docs, 2M tokens at N = 512: needs
-    from 0 to 22 a token against short docs of 2 to 21; the layout made for the fill
-    reaches 1.126, this one 1.014 and 1,080 tokens of KV a rank at most)."""
+    a denser one than the docs hold (WLB-LLM lengths, 100,000 docs, 2M tokens at N = 512:
+    needs from 0 to 22 a token against short docs of 2 to 21; the layout made for the
+    fill reaches 1.126, this one 1.014 and 1,080 tokens of KV a rank at most)."""
     head = min(len(order), head)
     tail = np.array(order[head:], dtype=np.int64)
     stream = lengths[tail]
