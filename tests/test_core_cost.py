@@ -174,3 +174,18 @@ def test_lex_order_is_lexsort(size: int, seed: int) -> None:
             ordered[-1] = ordered[-1].copy()
             ordered[-1][0] = 5
             assert np.array_equal(cost.lex_order(ordered), np.lexsort(ordered))
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 50, 2000])
+@pytest.mark.parametrize("seed", range(4))
+def test_stable_lexsort_is_lexsort(size: int, seed: int) -> None:
+    """``stable_lexsort`` returns ``np.lexsort``'s permutation: keys that fit one int64 side
+    by side (negative ones too, with ties, in sorted runs as canonical shards come) and
+    keys too wide for it (the fallback)."""
+    rng = np.random.default_rng(seed)
+    for num_keys in (1, 2, 3, 4):
+        for high in (3, 1 << 20, 1 << 40):
+            keys = [rng.integers(-high, high, size) for _ in range(num_keys)]
+            assert np.array_equal(cost.stable_lexsort(keys), np.lexsort(keys))
+            runs = [np.concatenate([np.sort(part) for part in np.array_split(k, 4)]) for k in keys]
+            assert np.array_equal(cost.stable_lexsort(runs), np.lexsort(runs))

@@ -53,7 +53,7 @@ def halo_transfers_of(arrays: cost.ShardArrays, window: int | None) -> Transfers
     has_gap = gap_lo < s
     g_rank, g_doc, g_lo, g_hi = r[has_gap], d[has_gap], gap_lo[has_gap], s[has_gap]
     # The holders: every shard in (doc, start) order; a gap overlaps a contiguous run of them.
-    by_doc = np.lexsort((start, doc))
+    by_doc = cost.stable_lexsort((start, doc))
     h_rank, h_doc, h_start, h_end = rank[by_doc], doc[by_doc], start[by_doc], end[by_doc]
     stride = int(end.max()) + 1
     first = np.searchsorted(h_doc * stride + h_end, g_doc * stride + g_lo, side="right")

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from planner_service.core.cost import stable_lexsort
 from planner_service.core.plan import Shard
 from planner_service.core.seeing import rows_seeing
 from planner_service.core.step_time.blocks import (
@@ -81,7 +82,7 @@ def group_ring_work(s: SortedShards, block_q: int, block_k: int) -> GroupRingWor
         return GroupRingWork(empty, empty, GroupBlocks(empty, empty, empty, empty))
     shard, c, key0, step = seen.shard, seen.seen, seen.key0, seen.step
     i = s.rank[shard]
-    order = np.lexsort((shard, step, i))
+    order = stable_lexsort((shard, step, i))
     shard, c, key0, i, step = shard[order], c[order], key0[order], i[order], step[order]
     head = np.ones(len(i), dtype=bool)
     head[1:] = (i[1:] != i[:-1]) | (step[1:] != step[:-1])

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from planner_service.core.cost import lex_order
+from planner_service.core.cost import lex_order, stable_lexsort
 from planner_service.core.errors import FieldError
 
 
@@ -112,7 +112,7 @@ def ring_seen(s: SortedShards) -> RingSeen:
     check_ring_size(ring_pairs(s.rank, s.doc))
     run_rank, run_doc = s.rank[s.run_first], s.doc[s.run_first]
     # Runs by doc: each shard pairs with every run of its doc.
-    by_doc = np.lexsort((run_rank, run_doc))
+    by_doc = stable_lexsort((run_rank, run_doc))
     doc_sorted = run_doc[by_doc]
     doc_lo = np.searchsorted(doc_sorted, s.doc, side="left")
     holders = np.searchsorted(doc_sorted, s.doc, side="right") - doc_lo
