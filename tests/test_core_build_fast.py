@@ -5,6 +5,7 @@ generic canonical JSON, compared exactly on random small inputs."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 from hypothesis import assume, given, settings
@@ -14,7 +15,7 @@ from planner_service.core import cost
 from planner_service.core.build import canonical_group, canonical_shards
 from planner_service.core.metrics import group_metrics
 from planner_service.core.model import ModelSpec
-from planner_service.core.plan import Metrics, RankStats, Shard, canonical_json
+from planner_service.core.plan import Metrics, Plan, RankStats, Shard, canonical_json
 from planner_service.core.profiles import get_kernel_profile, get_link_profile
 from planner_service.core.request import PlanRequest
 from planner_service.core.step_time import attention_tiles, held_kv_mode, rank_step
@@ -179,5 +180,21 @@ def test_plan_hash_from_made_json_equals_the_plain_hash():
 
     for doc_lengths, n in (((5, 3, 9, 1), 3), ((7,) * 300, 8), ((131072,), 17)):
         plan = solve(PlanRequest(doc_lengths=doc_lengths, cp_size=n, context_length=None))
-        assert plan.plan_id == hashlib.sha256(plan.body_json().encode()).hexdigest()
-        assert plan_hash(plan) == plan.plan_id
+        plain = Plan.from_json(plan.to_json())  # no made JSON: every group written anew
+        assert plain.made is None and plain == plan
+        assert plan.plan_id == hashlib.sha256(plain.body_json().encode()).hexdigest()
+        assert plan_hash(plan) == plan_hash(plain) == plan.plan_id
+
+
+def test_a_plans_made_json_is_its_json_and_only_for_its_own_groups():
+    # 600 shards: build_plan makes the shards' JSON in numpy (JSON_IN_NUMPY) and keeps it
+    # for to_json; a plan with other groups (dataclasses.replace) writes them anew.
+    plan = solve(PlanRequest(doc_lengths=(7,) * 600, cp_size=4, context_length=None))
+    assert plan.made is not None and plan.made.groups is plan.groups
+    text = plan.to_json()
+    assert text == canonical_json(plan.to_dict()) == Plan.from_json(text).to_json()
+    group = plan.groups[0]
+    fewer = replace(group, shards=(group.shards[0][:1], *group.shards[1:]))
+    other = replace(plan, groups=(fewer,))
+    assert other.made is plan.made and other.to_json() == canonical_json(other.to_dict())
+    assert other.to_json() != plan.to_json()

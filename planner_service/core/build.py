@@ -14,6 +14,7 @@ from planner_service.core.metrics import group_metrics_of, plan_metrics
 from planner_service.core.model import ModelSpec
 from planner_service.core.plan import (
     Group,
+    MadeTexts,
     Plan,
     Shard,
     int_list_json,
@@ -175,4 +176,5 @@ def build_plan(
         mask=CAUSAL if mask.is_causal else mask,
     )
     draft = Plan(**fields, plan_id="")
-    return Plan(**fields, plan_id=plan_hash(draft, made=made))
+    texts = MadeTexts(fields["groups"], made) if any(m is not None for m in made) else None
+    return Plan(**fields, plan_id=plan_hash(draft, made=made), made=texts)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -231,6 +231,14 @@ class Group:
         return _object_json(items)
 
 
+class MadeTexts(NamedTuple):
+    """``Plan.made``: per group of ``groups``, the JSON of its docs and of its shards (None
+    where not made)."""
+
+    groups: tuple[Group, ...]
+    texts: Sequence[tuple[str, str] | None]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """A complete plan for one packed sequence (or one FCP micro-batch)."""
@@ -250,6 +258,10 @@ class Plan:
     plan_id: str
     mask: AttentionMask = CAUSAL
     """The attention mask the plan was made for (JSON ``mask`` only when not causal)."""
+    made: MadeTexts | None = field(default=None, compare=False, repr=False)
+    """The JSON of its groups' docs and shards as ``build_plan`` made them for the plan_id,
+    so ``to_json`` (the service's answer) does not write them again; not part of the
+    plan's content (used only while ``groups`` is the tuple they were made from)."""
 
     def body_dict(self, *, groups: bool = True) -> dict[str, Any]:
         """Everything but plan_id: what the content hash covers (``groups=False``: with an
@@ -273,7 +285,10 @@ class Plan:
     def body_json(self, *, made: Sequence[tuple[str, str] | None] | None = None,
                   **extra: Any) -> str:
         """``canonical_json(self.body_dict() | extra)``, the groups by ``Group.to_json``;
-        ``made``: per group, the JSON of its docs and shards where already made."""
+        ``made``: per group, the JSON of its docs and shards where already made (default:
+        the plan's own ``made``)."""
+        if made is None and self.made is not None and self.made.groups is self.groups:
+            made = self.made.texts
         groups = ",".join([
             g.to_json() if texts is None else g.to_json(docs_json=texts[0], shards_json=texts[1])
             for g, texts in zip(self.groups, made or [None] * len(self.groups), strict=True)
