@@ -159,7 +159,7 @@ def bulk_tries(lengths_by_length: np.ndarray, n: int) -> list[BulkTry]:
     return tries
 
 
-def stream_intervals(ranks: Ranks, stream: Sequence[int], goal: float,
+def stream_intervals(ranks: Ranks, stream: Sequence[int] | np.ndarray, goal: float,
                      both_ends: bool = False) -> list[tuple[int, int, int]]:
     """(start, end, rank) token intervals of the ``stream`` (the short docs' lengths,
     longest first, laid end to end) that fill every rank's room: each rank but the last
