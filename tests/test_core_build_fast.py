@@ -152,7 +152,7 @@ def test_plan_json_equals_the_generic_canonical_json():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 50), st.integers(0, 2**31 - 1)), max_size=40))
 def test_held_docs_equal_np_unique(docs):
-    from planner_service.core.build import held_docs
+    from planner_service.core.cost import held_docs
 
     doc = np.array(docs, dtype=np.int64)
     got = held_docs(doc)

@@ -8,7 +8,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from planner_service.core.cost import ShardArrays, lex_order, per_rank_sums, shard_arrays
+from planner_service.core.cost import (
+    ShardArrays,
+    held_docs,
+    lex_order,
+    per_rank_sums,
+    shard_arrays,
+)
 from planner_service.core.mask import CAUSAL, AttentionMask
 from planner_service.core.metrics import group_metrics_of, plan_metrics
 from planner_service.core.model import ModelSpec
@@ -42,21 +48,6 @@ class Layout(NamedTuple):
 
     groups: Sequence[GroupLayout]
     info: Mapping[str, Any]
-
-
-def held_docs(doc: np.ndarray) -> np.ndarray:
-    """``np.unique(doc)`` (the docs held, ascending) for non-negative doc indices: by a
-    table of the docs present where the largest index is within a few times the shard
-    count (a solver's docs are indices into the request's lengths), else by sorting. O(s)
-    or O(s log s)."""
-    if not len(doc):
-        return doc[:0]
-    top = int(doc.max())
-    if top > 4 * len(doc) + 1024:
-        return np.unique(doc)
-    present = np.zeros(top + 1, dtype=bool)
-    present[doc] = True
-    return np.flatnonzero(present)
 
 
 def canonical_shards(shards: Iterable[Shard]) -> tuple[Shard, ...]:

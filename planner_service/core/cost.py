@@ -260,6 +260,21 @@ def lex_order(keys: Sequence[np.ndarray]) -> np.ndarray:
     return np.arange(n)
 
 
+def held_docs(doc: np.ndarray) -> np.ndarray:
+    """``np.unique(doc)`` (the docs held, ascending) for non-negative doc indices: by a
+    table of the docs present where the largest index is within a few times the shard
+    count (a solver's docs are indices into the request's lengths), else by sorting. O(s)
+    or O(s log s)."""
+    if not len(doc):
+        return doc[:0]
+    top = int(doc.max())
+    if top > 4 * len(doc) + 1024:
+        return np.unique(doc)
+    present = np.zeros(top + 1, dtype=bool)
+    present[doc] = True
+    return np.flatnonzero(present)
+
+
 COMPOSITE_BITS = 63
 """Bits of an int64 composite key (``stable_lexsort``): non-negative below 2^63."""
 

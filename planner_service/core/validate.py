@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from planner_service.core.build import held_docs
-from planner_service.core.cost import per_rank_sums, shard_arrays, stable_lexsort
+from planner_service.core.cost import held_docs, per_rank_sums, shard_arrays, stable_lexsort
 from planner_service.core.metrics import group_metrics, plan_metrics
 from planner_service.core.paths import COMM_MODES
 from planner_service.core.plan import Metrics, Plan, content_hash
