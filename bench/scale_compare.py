@@ -7,7 +7,8 @@ Each tree runs in its own process (``PYTHONPATH`` = the tree), rounds alternatin
 the trees, so both see the same machine load; per case the minimum over the rounds is kept
 (CPU time, ``time.process_time``). Per cell: median and max over its sequences of the layout
 (``flashcp_layout``) and of ``solve(check=False)``, the layout's wall time, and how many
-plans are byte-identical (same ``plan_id``) between the trees.
+plans are byte-identical (same ``plan_id``) between the trees; then every plan that differs,
+with its imbalance, KV received and R met in both.
 
 Cases, as ``bench.scale`` builds them: ``--cells TOKENS:N`` are the packed sequences of the
 N sweep (the two shared data sets and every family, seed 0; 6 sequences per source at 32K
@@ -37,7 +38,8 @@ MIXED_TOKENS = 2_000_000
 
 def _worker(cells: Sequence[str], docs: Sequence[str], mixed: Sequence[str],
             mode: str | None) -> dict[str, list]:
-    """In the tree on ``sys.path``: per case (layout ms, solve ms, plan_id, layout wall ms)."""
+    """In the tree on ``sys.path``: per case (layout ms, solve ms, plan_id, layout wall ms,
+    imbalance, KV tokens received, R met or not declared missed)."""
     from dataclasses import replace
 
     from bench.scale import mixed_lengths
@@ -78,7 +80,9 @@ def _worker(cells: Sequence[str], docs: Sequence[str], mixed: Sequence[str],
             layout_wall = (time.perf_counter() - wall) * 1e3
             start = time.process_time()
             plan = solve(r, check=False)
-            rows.append((layout, (time.process_time() - start) * 1e3, plan.plan_id, layout_wall))
+            rows.append((layout, (time.process_time() - start) * 1e3, plan.plan_id, layout_wall,
+                         plan.metrics.imbalance, plan.metrics.comm_tokens,
+                         plan.info.get("imbalance_target_met") is not False))
         out[name] = rows
     return out
 
@@ -124,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "| new | layout wall ms median / max: base | new | plans identical |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    changed: list[tuple[str, list, list]] = []
     for name in runs["base"][0]:
         figures = {}
         for side, side_runs in runs.items():
@@ -139,6 +144,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         lines.append(f"| {name} | {count} | {figures['base'][0]} | {figures['new'][0]} | "
                      f"{figures['base'][1]} | {figures['new'][1]} | {figures['base'][2]} | "
                      f"{figures['new'][2]} | {same} / {count} |")
+        changed += [(f"{name}, sequence {i}", a, b) for i, (a, b) in enumerate(
+            zip(runs["base"][0][name], runs["new"][0][name], strict=True)) if a[2] != b[2]]
+    lines += ["", "Plans that differ (base -> new): imbalance, KV tokens received (plan "
+              "metrics), R met (or missed and declared). Sequence i of a case is its i-th "
+              "source: wlbllm, code, then the families by name (packed cases: each source's "
+              "sequences in turn).", ""]
+    lines += ["| case | imbalance | KV tokens | R met |", "|---|---|---|---|"]
+    lines += [f"| {name} | {a[4]:.6f} -> {b[4]:.6f} | {a[5]:,} -> {b[5]:,} | {a[6]} -> {b[6]} |"
+              for name, a, b in changed] or ["| none | | | |"]
     header = [
         "# flashcp solve time: two source trees side by side",
         "",

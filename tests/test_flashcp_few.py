@@ -43,12 +43,14 @@ def test_few_ranks_place_as_the_rule_doc_by_doc(n, seed):
     total = rest_work + sum(w for _, w in held)
     allowed = rng.choice((1.0, 1.05, 100.0)) * total / n
     slow, fast = layout(n, cap, held), layout(n, cap, held)
-    want = runs.place_run_reference(length, range(count), slow, allowed, rest_tokens, rest_work)
+    want = runs.place_run_reference(length, range(count), slow, allowed, rest_tokens, rest_work,
+                                    held_docs=1)
     got = few.place_run(length, range(count), fast, allowed, rest_tokens, rest_work)
     # few.place_run may stop early (the heap goes on); what it placed is the rule's.
     assert got.placed <= want.placed
     again = layout(n, cap, held)
-    runs.place_run_reference(length, range(got.placed), again, allowed, rest_tokens, rest_work)
+    runs.place_run_reference(length, range(got.placed), again, allowed, rest_tokens, rest_work,
+                             held_docs=1)
     assert (fast.shards, fast.tokens, fast.work) == (again.shards, again.tokens, again.work)
     if got.placed:
         assert got.density == float(runs.run_densities(length, got.placed, rest_tokens,
@@ -90,7 +92,8 @@ def test_loop_steps_place_as_the_rule_doc_by_doc(n, seed):
         held.append((tokens, tokens * rng.randint(1, 2 * length)))
     allowed = rng.choice((1.0, 1.05, 100.0)) * (rest_work + sum(w for _, w in held)) / n
     slow, fast = layout(n, cap, held), layout(n, cap, held)
-    want = runs.place_run_reference(length, range(count), slow, allowed, rest_tokens, rest_work)
+    want = runs.place_run_reference(length, range(count), slow, allowed, rest_tokens, rest_work,
+                                    held_docs=1)
     densities = runs.run_densities(length, count, rest_tokens, rest_work)
     chosen, stopped = few.loop_steps(np.array(fast.work, dtype=np.int64),
                                      np.array(fast.tokens, dtype=np.int64), cap, length, allowed,

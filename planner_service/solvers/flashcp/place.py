@@ -25,9 +25,9 @@ Runs of at least ``runs.RUN_MIN`` equal docs (many short docs) go in blocks
 key, ``few.place_run`` places them as the heap would, O(N) numpy work per doc. On more
 ranks the density changes from doc to doc along a run, every stored key goes stale and
 the heap would spend its ``REFRESH`` steps on most docs and still be inexact;
-``runs.place_run_exact`` places them by the exact rule (least current key, lowest rank on
-ties): O((K + N) log(K + N)) per block of K docs where its blocks pass their check, O(N)
-per doc where they do not (ranks whose keys cross as the density falls). A run stops
+``runs.place_run_blocks`` places them by the least current key (lowest rank on ties) with
+the density held over blocks of up to ``runs.HELD_BLOCK`` docs: O((K + N) log(K + N)) per
+block of K docs, O(N) per doc for the few docs it places one at a time. A run stops
 short at a doc no rank takes whole; the heap goes on from there, and the run is tried
 again after ``runs.RUN_RETRY`` docs (on more than ``REFRESH`` ranks, twice as many at
 each try: at most log D tries of O(N + K) per run).
@@ -52,7 +52,7 @@ from planner_service.solvers.flashcp.runs import (
     EXACT,
     RUN_MIN,
     RUN_RETRY,
-    place_run_exact,
+    place_run_blocks,
     run_heads,
 )
 
@@ -133,12 +133,12 @@ def place(
         parked.clear()
 
     # Long runs of equal docs go in blocks (``runs.py``): by ``place_run`` on few ranks,
-    # where the heap is exact, else by ``place_run_exact``. docs -> (position in
+    # where the heap is exact, else by ``place_run_blocks``. docs -> (position in
     # ``order``, docs left in its run, tries so far) for the docs where it is tried next.
     heads = {doc: (at, left, 0) for doc, (at, left) in run_heads(
         doc_lengths if lengths is None else lengths, order).items()} if (
         total_work < EXACT and not fill_reserve) else {}
-    run_placement = place_run if n <= REFRESH else place_run_exact
+    run_placement = place_run if n <= REFRESH else place_run_blocks
     docs = iter(order)
     for doc in docs:
         if heads and doc in heads:

@@ -1,10 +1,10 @@
 """Runs of equal docs placed in blocks: ``place.place``'s rule for a run of many docs of
-one length (L tokens, w = L (L + 1) / 2 work each) at once, as it would place them one by
-one. Each doc goes to the rank with room of least key work - tokens x d (d: the density of
-the docs left after it, ``place``'s figure), ties to the lowest rank, whole if that rank
-stays within the allowed workload; the run stops at the first doc that rank cannot take
-(``place``'s loop takes it on). All figures are exact in float64: the request's workload
-is below ``EXACT``.
+one length (L tokens, w = L (L + 1) / 2 work each) at once. Each doc goes to the rank with
+room of least key work - tokens x d (d: the density of the docs left after it,
+``place``'s figure; on many ranks held over a block, below), ties to the lowest rank,
+whole if that rank stays within the allowed workload; the run stops at the first doc that
+rank cannot take (``place``'s loop takes it on). All figures are exact in float64: the
+request's workload is below ``EXACT``.
 
 ``run_heads`` finds the runs of at least ``RUN_MIN`` docs, O(D). Two block placements:
 
@@ -12,38 +12,30 @@ is below ``EXACT``.
   least key, so both agree): ranks predicted (``drift.drift_ranks``, or at a constant
   density), every doc checked against the keys of all ranks. O(K N) per block of K docs,
   in numpy (``few.py``).
-- ``place_run_exact``, on more ranks, where ``place``'s heap refreshes only ``REFRESH``
+- ``place_run_blocks``, on more ranks, where ``place``'s heap refreshes only ``REFRESH``
   stale keys per doc and so is inexact while the density changes from doc to doc: the
-  least-key rule itself, without checking every rank per doc. A rank's key before its
-  (j + 1)-th doc of the run is A - B d with A = work + j w and B = tokens + j L: a line in
-  d, and each doc it takes adds s = w - L d.
+  least-key rule with the density held for blocks of docs. A rank's key before its
+  (j + 1)-th doc of the run is A - B d with A = work + j w and B = tokens + j L; each doc
+  it takes adds s = w - L d.
 
   * Flat (d = h = (L + 1) / 2, so w = L d: every doc left has length L): taking a doc
     leaves a rank's key unchanged, exactly so in float64 (``FLAT_LIMIT``). The ranks
     with room, by key (ties: lowest rank), each take docs until their room runs out; the
     first whose allowance runs out before its room stops the run. O(N log N + K).
-  * Sloped (every d of the block below h: s > 0, so a rank's key rises with each doc
-    it takes): the K docs of a block are predicted as the K least keys at the block's
-    first density among every rank's next docs (``predicted``), then certified
-    (``sloped_block``): the sequence of the predicted docs followed by each rank's next
-    doc after the block must be in order (key, then rank) at every density of the
-    block. Two neighbours are checked (``certified``; order is transitive): their key
-    difference is linear in d, so it must exceed a margin that bounds both keys'
-    rounding (``MARGIN``) at the block's least and greatest density; or both are the
-    same (work, tokens) state, whose keys are equal bit for bit, lower rank first. At
-    the i-th doc every rank's next doc lies at or after the i-th predicted doc in that
-    sequence, so the predicted rank has the least key (the lowest rank among equal
-    keys) at the doc's density: the rule. From empty ranks, or ranks holding docs of
-    the run's length only (a round robin), blocks pass. Where the ranks' token counts
-    differ widely, keys of ranks cross as d falls, and a block across a crossing fails:
-    it is halved, and below ``RUN_BLOCK[0]`` docs the next docs go one at a time.
-    Before the prediction, ``first_apart`` checks in O(N) conditions the certificate
-    implies (the first doc before every rank's next doc; the docs that open the
-    sequence, each before the next), so most blocks that would fail cost only that.
-    O((K + N) log(K + N)) per block.
-  * One at a time (``single_steps``: after failed blocks, for densities above h, which
-    only orders other than longest first give, and for flat keys too large for float64
-    to hold exactly): every rank's key, the least taken, O(N) per doc in numpy.
+  * Sloped (d below h: s > 0, so a rank's key rises with each doc it takes): blocks of
+    up to ``HELD_BLOCK`` docs, each placed at the density after its first doc: the K
+    docs of least key among every rank's next docs at that density (``predicted``), in
+    key order, ties to the lowest rank: the rule doc by doc at a density that stays put
+    for the block. Holding it is what makes a block one sort: at the density after each
+    doc, ranks whose token counts differ widely swap places as d falls, and no block of
+    more than a few docs is certain (mixed lengths at D = 100,000: 73,000 docs of 2-21
+    tokens then go one at a time, most of the layout's time). The density falls by
+    little over a block of short docs; ``place``'s own heap, beyond ``REFRESH`` ranks,
+    takes stale keys too. O((K + N) log(K + N)) per block.
+  * One at a time (``single_steps``: densities above h, which only orders other than
+    longest first give, flat keys too large for float64 to hold exactly, and blocks
+    whose step s is too small beside the keys for ``predicted``'s phases): every rank's
+    key, the least taken, O(N) per doc in numpy.
 
   The run ends only where the rule ends it: at a doc no rank takes whole (its rank of
   least key has no room or would pass the allowed workload), which ``place``'s loop then
@@ -70,18 +62,17 @@ RUN_RETRY = 64
 """Docs of a run placed one by one after a block placement stops short, before it is
 tried again (on more than ``place.REFRESH`` ranks, doubled at each try)."""
 RUN_BLOCK = (64, 4096)
-"""Smallest and largest block of docs ``few.place_run`` checks at once; the smallest block
-``place_run_exact`` certifies, and the fewest and most docs it places one at a time
-before trying blocks again."""
-EXACT_BLOCK = 1 << 16
-"""Largest block ``place_run_exact`` certifies at once."""
+"""Smallest and largest block of docs ``few.place_run`` checks at once; the most docs
+``place_run_blocks`` places one at a time in one call of ``single_steps``."""
+HELD_BLOCK = 1024
+"""Most docs ``place_run_blocks`` places at one held density."""
 FLAT_LIMIT = 1 << 51
 """Bound on workloads and on tokens x (L + 1) under which flat keys work - tokens x
 (L + 1) / 2 are exact in float64 (half-integers below 2^52)."""
-MARGIN = 2.0 ** -50
-"""Relative bound of a certified key difference's rounding: the two keys A - B d carry
-at most 2^-53 (|A| + 3 |B d|) each, the difference of A and B d at the block's ends
-2^-53 (3 |A| + 2 |B d|); 2^-50 (max |A| + max |B| d + 1) covers their sum."""
+STEP_FLOOR = 2.0 ** -40
+"""Least step s of a held block relative to its largest key figure (work + tokens x d):
+above it, consecutive keys of a rank rise in float64 (each key rounds by at most 2^-52 of
+that figure, twice), so ``predicted``'s order is the rule's."""
 
 
 class RunPlaced(NamedTuple):
@@ -129,22 +120,21 @@ def run_densities(length: int, count: int, rest_tokens: int, rest_work: int,
     return out
 
 
-def place_run_exact(
+def place_run_blocks(
     length: int, docs: Sequence[int], ranks: Ranks, allowed: float, rest_tokens: int,
     rest_work: int,
 ) -> RunPlaced:
     """Place a leading part of a run of equal docs (each ``length`` tokens, in order) by
-    the least-key rule (module docstring): the same docs to the same ranks as
-    ``place_run_reference``, stopping at the same doc (one no rank takes whole).
+    the least-key rule with the density held over blocks (module docstring): the same docs
+    to the same ranks as ``place_run_reference``, stopping at the same doc (one no rank
+    takes whole).
 
-    Flat docs go in one block; sloped docs in blocks of K, from ``RUN_BLOCK[0]`` docs,
-    doubled after a block passes its check and halved after one fails; below
-    ``RUN_BLOCK[0]`` (and for densities above (L + 1) / 2: not a longest-first order),
-    docs go one at a time (``single_steps``), ``RUN_BLOCK[0]`` of them before blocks
-    are tried again, twice as many after each block that fails in a row. O((K + N)
-    log(K + N)) per block of K docs, O(N) per doc one at a time, O(N + K) to start and
-    to add the shards. The densities are computed as far as the docs looked at, in
-    doubling steps (a run stopped early costs O(docs placed), not O(K))."""
+    Flat docs go in one block, sloped docs in blocks of up to ``HELD_BLOCK`` (each at the
+    density after its first doc), others one at a time (``single_steps``, up to
+    ``RUN_BLOCK[1]`` per call). O((K + N) log(K + N)) per block of K docs, O(N) per doc one
+    at a time, O(N + K) to start and to add the shards. The densities are computed as far
+    as the docs looked at, in doubling steps (a run stopped early costs O(docs placed),
+    not O(K))."""
     n = len(ranks.work)
     doc_work = length * (length + 1) // 2
     cap = ranks.capacity
@@ -165,31 +155,19 @@ def place_run_exact(
     flat_exact = (int(work.max(initial=0)) + len(docs) * doc_work < FLAT_LIMIT
                   and cap * (length + 1) < FLAT_LIMIT)
     picks: list[np.ndarray] = []
-    placed, block, steps, burst = 0, RUN_BLOCK[0], 0, RUN_BLOCK[0]
+    placed = 0
     while placed < len(docs):
         now = float(known(placed + 1)[0])
         if now == half and flat_exact:
-            rest = known(len(docs))
-            count = int(np.argmin(rest == half)) if not (rest == half).all() else len(rest)
+            count = leading(known(len(docs)) == half)
             chosen, stop = flat_block(work, tokens, cap, length, allowed, half, count)
-        elif now < half and not steps:
-            # The sloped docs of the block: every density below h.
-            span = known(placed + block)
-            count = int(np.argmin(span < half)) if not (span < half).all() else len(span)
-            found = sloped_block(work, tokens, cap, length, allowed, span[:count])
-            if found is None:  # not certified: a smaller block, or docs one at a time
-                if block // 2 >= RUN_BLOCK[0]:
-                    block //= 2
-                else:
-                    steps, burst = burst, min(2 * burst, RUN_BLOCK[1])
-                continue
-            chosen, stop = found
-            block, burst = min(2 * block, EXACT_BLOCK), RUN_BLOCK[0]
-        else:  # one at a time: after a failed block, above h, or flat keys that would round
-            count = min(steps or RUN_BLOCK[1], len(docs) - placed)
+        elif now < half:  # sloped: a block at the density after its first doc
+            count = leading(known(placed + HELD_BLOCK) < half)
+            chosen, stop = held_block(work, tokens, cap, length, allowed, now, count)
+        else:  # one at a time: above h, or flat keys that would round
+            count = leading(known(placed + RUN_BLOCK[1]) >= half)
             chosen, stop = single_steps(work, tokens, cap, length, allowed,
                                         known(placed + count))
-            steps = max(0, steps - count)
         if len(chosen):
             given = np.bincount(chosen, minlength=n)
             work += given * doc_work
@@ -203,6 +181,11 @@ def place_run_exact(
     changed = add_run(ranks, np.concatenate(picks), docs[:placed], length)
     return RunPlaced(placed, changed, rest_tokens - placed * length,
                      rest_work - placed * doc_work, float(densities[placed - 1]))
+
+
+def leading(holds: np.ndarray) -> int:
+    """How many of ``holds`` are true before the first false one. O(len(holds))."""
+    return int(np.argmin(holds)) if not holds.all() else len(holds)
 
 
 def single_steps(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
@@ -335,95 +318,27 @@ def flat_block(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allo
     return chosen[:count], len(chosen) < count
 
 
-def sloped_block(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
-                 densities: np.ndarray) -> tuple[np.ndarray, bool] | None:
-    """The ranks of the next docs (one per density, every density below (L + 1) / 2),
-    predicted and certified (module docstring); (ranks, stopped short), or None if the
-    prediction is not certified. O((K + N) log(K + N))."""
+def held_block(work: np.ndarray, tokens: np.ndarray, cap: int, length: int, allowed: float,
+               density: float, count: int) -> tuple[np.ndarray, bool]:
+    """The ranks of the next ``count`` docs at one held ``density`` below (L + 1) / 2: the
+    docs of least key among every rank's next docs, in key order (ties: lowest rank),
+    up to the first whose rank has no room or would pass ``allowed``; (ranks, stopped
+    short). By ``predicted`` where each doc raises its rank's key by more than
+    ``STEP_FLOOR`` of the keys' figures, else ``single_steps`` at that density.
+    O((K + N) log(K + N))."""
     doc_work = length * (length + 1) // 2
     fits = np.maximum((cap - tokens) // length, 0)
-    count = min(len(densities), int(fits.sum()))
-    if not count:
+    room = min(count, int(fits.sum()))
+    if not room:
         return np.zeros(0, dtype=np.int64), True
-    if not doc_work - length * float(densities[0]) > 0:
-        return None  # keys too close to flat for the prediction's phases
-    if not first_apart(work, tokens, fits, cap, length, count, float(densities[0]),
-                       float(densities.min()), float(densities.max())):
-        return None  # the certificate below would fail (``first_apart``)
-    rank, heavy, long = predicted(work, tokens, fits, length, float(densities[0]), count)
-    given = np.bincount(rank, minlength=len(work))
-    # Each rank's docs in the block are its next ones, in order.
-    by_rank = np.argsort(rank, kind="stable")
-    ends = np.cumsum(given)
-    nth = np.arange(count) - np.repeat(ends - given, given)
-    if not np.array_equal((heavy[by_rank] - work[rank[by_rank]]) // doc_work, nth):
-        return None
-    # Each rank's next doc after the block, if it has room for one.
-    after = np.flatnonzero(given < fits)
-    after_heavy = work[after] + given[after] * doc_work
-    after_long = tokens[after] + given[after] * length
-    low, high = float(densities.min()), float(densities.max())
-    most = max(int(heavy.max()), int(after_heavy.max(initial=0)))
-    margin = MARGIN * (most + cap * high + 1)
-    if not (certified(heavy[:-1], long[:-1], rank[:-1], heavy[1:], long[1:], rank[1:],
-                      low, high, margin).all()
-            and certified(heavy[-1], long[-1], rank[-1], after_heavy, after_long, after,
-                          low, high, margin).all()):
-        return None
+    step = doc_work - length * density
+    if not step > STEP_FLOOR * (int(work.max()) + room * doc_work + cap * density + 1):
+        return single_steps(work, tokens, cap, length, allowed, np.full(count, density))
+    rank, heavy, _ = predicted(work, tokens, fits, length, density, room)
     within = heavy + doc_work <= allowed
     if not within.all():
         return rank[:int(np.argmin(within))], True
-    return rank, count < len(densities)
-
-
-def first_apart(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, cap: int,
-                length: int, count: int, density: float, low: float,
-                high: float) -> bool:
-    """Necessary conditions of ``sloped_block``'s certificate, cheap to check first, at a
-    margin no larger than the certificate's (its largest workload is at least that of any
-    rank with room). The first predicted doc (the next doc of the rank of least key at
-    ``density``, ties to the lowest rank) must lie before every other rank's next doc by
-    ``certified``'s rule: every rank with room has its next doc in the certified
-    sequence, where order is transitive. And the ranks' next docs of keys below the least
-    plus s = w - L x density (before any rank's second doc: keys rise by s per doc) open
-    the predicted sequence in key order, so up to the block's ``count`` docs each must
-    lie before the next. A block failing either fails the certificate; False only costs
-    the block (docs then go one at a time, by the same rule). O(N) in numpy, plus the
-    sort of those first docs."""
-    active = np.flatnonzero(fits)
-    if len(active) < 2:
-        return True
-    held, have = work[active], tokens[active]
-    keys = held.astype(np.float64) - have.astype(np.float64) * density
-    first = int(np.argmin(keys))
-    margin = MARGIN * (int(held.max()) + cap * high + 1)
-    fine = certified(held[first], have[first], active[first], held, have, active, low, high,
-                     margin)
-    fine[first] = True
-    if not fine.all():
-        return False
-    step = length * (length + 1) // 2 - length * density
-    opening = np.flatnonzero(keys < keys[first] + step)
-    if len(opening) < 3:
-        return True
-    opening = opening[np.lexsort((opening, keys[opening]))][:count]
-    a, b = opening[:-1], opening[1:]
-    return bool(certified(held[a], have[a], active[a], held[b], have[b], active[b], low, high,
-                          margin).all())
-
-
-def certified(first_heavy: np.ndarray | np.int64, first_long: np.ndarray | np.int64,
-              first_rank: np.ndarray | np.int64, heavy: np.ndarray, long: np.ndarray,
-              rank: np.ndarray, low: float, high: float, margin: float) -> np.ndarray:
-    """Per pair of docs (one placed before the other, keys A - B d with A = ``heavy``, B =
-    ``long``): the first's key is below the second's by more than ``margin`` at both
-    densities ``low`` and ``high`` (so at every density between: the difference is linear
-    in d), or both have the same A and B (keys equal bit for bit) and the first the lower
-    rank."""
-    d_heavy = (heavy - first_heavy).astype(np.float64)
-    d_long = (long - first_long).astype(np.float64)
-    apart = (d_heavy - d_long * low > margin) & (d_heavy - d_long * high > margin)
-    return apart | ((heavy == first_heavy) & (long == first_long) & (rank > first_rank))
+    return rank, room < count
 
 
 def predicted(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, length: int,
@@ -469,22 +384,36 @@ def predicted(work: np.ndarray, tokens: np.ndarray, fits: np.ndarray, length: in
 
 def place_run_reference(
     length: int, docs: Sequence[int], ranks: Ranks, allowed: float, rest_tokens: int,
-    rest_work: int,
+    rest_work: int, held_docs: int | None = None,
 ) -> RunPlaced:
-    """``place_run_exact``'s rule doc by doc, every rank scanned: each doc to the rank
-    with room of least key work - tokens x density (ties: lowest rank), if it stays within
-    ``allowed``; else stop. O(K N)."""
+    """``place_run_blocks``'s rule doc by doc, every rank scanned: each doc to the rank
+    with room of least key work - tokens x d (ties: lowest rank), if it stays within
+    ``allowed``; else stop. d is the doc's own density (the docs left's workload per
+    token) where that is (L + 1) / 2 or above; below, the density held from the first doc
+    of its block: a block starts at a doc below (L + 1) / 2 after one that is not, and
+    after ``held_docs`` docs (``HELD_BLOCK`` if None; 1: every doc at its own density,
+    the rule of ``place``'s loop and ``few.place_run``). O(K N)."""
+    held_docs = HELD_BLOCK if held_docs is None else held_docs
     n = len(ranks.work)
     doc_work = length * (length + 1) // 2
+    half = (length + 1) / 2
     cap, tokens, work = ranks.capacity, ranks.tokens, ranks.work
     placed, density, changed = 0, 0.0, set()
+    held, held_left = 0.0, 0
     for doc in docs:
         left_tokens, left_work = rest_tokens - length, rest_work - doc_work
         at = left_work / left_tokens if left_tokens else 0.0
+        if at < half:
+            if not held_left:
+                held, held_left = at, held_docs
+            held_left -= 1
+            key_density = held
+        else:
+            key_density, held_left = at, 0
         best, best_key = -1, float("inf")
         for r in range(n):
             if tokens[r] <= cap - length:
-                key = work[r] - tokens[r] * at
+                key = work[r] - tokens[r] * key_density
                 if key < best_key:
                     best, best_key = r, key
         if best < 0 or work[best] + doc_work > allowed:
