@@ -39,6 +39,17 @@ def test_compare_lists_every_core_strategy_and_plots(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_marks_a_compact_allgather_that_saves_nothing():
+    """One document on 4 ranks: every rank's padded compact send is a whole rank's tokens,
+    so the table's compact all-gather saving is 0 and the note says it is not a choice."""
+    result = runner.invoke(app, ["compare", "--docs", "8192", "--cp", "4",
+                                 "--strategies", "flashcp,llama3"])
+    assert result.exit_code == 0, result.output
+    text = result.output.replace("\n", " ")
+    assert "compact all-gather saves nothing for flashcp, llama3 here" in text
+    assert "not a choice over full" in text
+
+
 def test_compare_samples_batches_of_a_family_as_json():
     result = runner.invoke(
         app,
