@@ -17,8 +17,14 @@ the weighted objective wins:
    reach several times the tokens, and every rank runs its linear layers on it);
 4. ``chunks <k>``: the packed sequence in k N equal-token chunks, k per rank, placed by
    LPT on the weighted work (``contiguous_halo.chunk_ranks``), k = 2, 4, .. ``MAX_CHUNKS``
-   in turn while no candidate meets R (more chunks balance better and move more halos);
-5. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
+   in turn while none of the above meets R (more chunks balance better and move more
+   halos);
+5. ``flashcp repaired``: where flashcp's plan misses R on the weighted work, the same
+   plan with shard tails moved from the heaviest ranks to the lightest until it meets R
+   (``weighted_repair``: at most ``MAX_MOVES`` moves, no rank above R times the even
+   token share or flashcp's own fullest rank). It often keeps flashcp's exchange, but a
+   chunked layout can move less, so the chunks run as if it were not there;
+6. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
    tried in order only while no candidate meets R on the weighted work.
 
 Objective: among the candidates whose layer-weighted imbalance is at most R, the least
@@ -31,7 +37,8 @@ receive is within the causal prefix). The plan's info names the choice
 imbalance, weighted exchange, tokens on the fullest rank).
 
 Cost: one flashcp solve priced in O(s log s + G s) for s shards and G windows
-(``window_work.alltoallv_figures_of``; other modes ``mask_figures_of``); the contiguous
+(``window_work.alltoallv_figures_of``; other modes ``mask_figures_of``), its repair
+(``weighted_repair``'s bound) priced the same way where it misses R; the contiguous
 and chunk candidates in closed form on their cuts (O(D G + N log S (log D + G)) and
 O(k N (log N + log D + G)) for D documents, S tokens), only the chosen one built; the
 tighter flashcp solves and per_doc only when none of those meets R.
@@ -65,6 +72,7 @@ from planner_service.solvers.contiguous_halo import (
 )
 from planner_service.solvers.flashcp import flashcp_layout
 from planner_service.solvers.kv_bound import layout_peak, listed
+from planner_service.solvers.weighted_repair import repaired_layout
 
 MAX_CHUNKS = 32
 """Most equal-token chunks per rank tried (``chunked_layout``: 2, 4, .. MAX_CHUNKS)."""
@@ -139,14 +147,19 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
     slack = target - 1.0
     priced: list[Priced] = []
 
-    def attempt(name: str, make: Callable[[], Layout | None]) -> None:
+    def candidate(name: str, make: Callable[[], Layout | None]) -> Priced | None:
         made = make()
         if made is None:
-            return
+            return None
         layout = listed(made)
         if bound is not None and layout_peak(layout, mode) > bound:
-            return
-        priced.append(price(name, layout, request, mode))
+            return None
+        return price(name, layout, request, mode)
+
+    def attempt(name: str, make: Callable[[], Layout | None]) -> None:
+        p = candidate(name, make)
+        if p is not None:
+            priced.append(p)
 
     def met() -> bool:
         return any(p.imbalance <= target for p in priced)
@@ -154,9 +167,14 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
     def causal_at(r: float) -> Callable[[], Layout]:
         return lambda: flashcp_layout(doc_lengths, replace(request, imbalance_target=r))
 
-    priced.append(price("flashcp", listed(base(doc_lengths, request)), request, mode))
+    causal = listed(base(doc_lengths, request))
+    priced.append(price("flashcp", causal, request, mode))
     prefix = WeightedPrefix(doc_lengths, request.mask)
     total, n = prefix.offsets[-1], request.cp_size
+    padded = math.floor(target * -(-total // n)) if n else 0
+    # Priced now, listed after the chunks: they run as if it were not there.
+    repaired = None if met() else candidate("flashcp repaired", lambda: repaired_layout(
+        causal, prefix, request.mask, target, max(padded, priced[0].tokens)))
     built: dict[str, Callable[[], Layout]] = {}
 
     def closed(name: str, figures: tuple[float, int], most: int,
@@ -167,7 +185,6 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
     # Under all-to-all-v without a KV bound the contiguous and chunked candidates are
     # priced in closed form and only the chosen one is built.
     fast = mode == "alltoallv" and bound is None
-    padded = math.floor(target * -(-total // n)) if n else 0
     for name, cuts in (("contiguous_halo", range_bounds(total, n)),
                        ("weighted_contiguous", weighted_cuts(prefix, n, target, padded))):
         if not cuts:
@@ -188,6 +205,8 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
         else:
             attempt(f"chunks {per_rank}", make)
         per_rank *= 2
+    if repaired is not None:
+        priced.append(repaired)
     if not met():
         for share in TIGHTER:
             r = 1.0 + share * slack

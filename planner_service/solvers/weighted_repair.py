@@ -1,0 +1,175 @@
+"""Repair a layout's layer-weighted balance by moving shard tails to light ranks.
+
+flashcp balances causal work. Under a mask its plan can miss R on the layer-weighted
+work (``sum_g count_g work_g``) by a few percent: the ranks holding the expensive tails
+of long documents hold few tokens, so they do little work in the windowed layers. The
+other candidates of ``flashcp_masked`` that meet R cut the packed sequence anew and
+usually move more KV. Here the flashcp plan is kept and only the excess is moved, one
+shard tail at a time:
+
+- the heaviest rank h (ties: the lowest index) sheds ``x = load_h - goal``, goal = R
+  times the mean weighted work, at most what the lightest rank can take;
+- each of h's shards ``[s, e)`` is cut at the greatest m whose tail ``[m, e)`` carries at
+  least x (the whole shard if it carries less; ``WeightedPrefix.doc_reach``);
+- among the ``LIGHT_RANKS`` lightest ranks and h's shards, the pair whose tail fits the
+  light rank's work and token room and adds it the least KV wins: the layer-weighted
+  KV of the tail's prefix it does not hold, ``m`` minus its own tokens of the document
+  below m (a window g's layers at most ``W_g - 1`` of it; ``added_receive``); ties by
+  more work moved, then the lighter rank, then shard order.
+
+It stops once h is within R, when no pair fits, or after ``MAX_MOVES`` moves; it does
+not start when more than ``MAX_MOVES`` ranks are over the goal (each must shed). A move
+never raises the heaviest load (the tail fits the light rank's room). The result is a
+candidate like any other: ``flashcp_masked`` prices it exactly under the mask and keeps
+it only if it is the best.
+
+O(S + M (N log N + K s (log G + t))) for S shards, M <= MAX_MOVES moves, N ranks,
+K = LIGHT_RANKS, s shards on the heavy rank, G windows and t shards of one document on
+a light rank; deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from planner_service.core import cost
+from planner_service.core.build import GroupLayout, Layout
+from planner_service.core.mask import AttentionMask
+from planner_service.core.plan import Shard
+from planner_service.solvers.contiguous_halo import WeightedPrefix
+
+MAX_MOVES = 32
+"""Most tails moved per repair (the time bound; a repair that needs more is dropped by
+the caller when it still misses R)."""
+LIGHT_RANKS = 4
+"""Lightest ranks tried as receivers of each move."""
+
+
+def tail_cut(prefix: WeightedPrefix, shard: Shard, work: int) -> int:
+    """The greatest m in ``[start, end]`` whose tail ``[m, end)`` carries at least
+    ``work`` layer-weighted pairs; ``start`` when the whole shard carries less.
+    O(log G)."""
+    value = prefix.doc_prefix(shard.end) - work
+    if value < 0:
+        return shard.start
+    return max(shard.start, prefix.doc_reach(value, shard.end))
+
+
+def added_receive(pieces: Sequence[Shard], cut: int, limits: Sequence[tuple[int, int | None]]
+                  ) -> int:
+    """The layer-weighted KV a tail starting at ``cut`` needs that a rank holding
+    ``pieces`` (of the tail's document) does not hold: the prefix ``[0, cut)`` less the
+    rank's own tokens below the cut, at most ``W - 1`` keys in a window's layers
+    (``limits``: (layers, W - 1 or None) per layer group). Exact for a rank without the
+    document, else at least what the move adds to the rank's receive (part of it may
+    already come for another piece). O(t + G)."""
+    need = cut
+    for p in pieces:
+        if p.start < cut:
+            need -= min(p.end, cut) - p.start
+    total = 0
+    for layers, limit in limits:
+        total += layers * (need if limit is None or need < limit else limit)
+    return total
+
+
+def repaired_layout(layout: Layout, prefix: WeightedPrefix, mask: AttentionMask,
+                    target: float, max_tokens: int) -> Layout | None:
+    """``layout`` (one group) with tails moved until its layer-weighted imbalance is at
+    most ``target`` (module docstring), no rank above ``max_tokens`` tokens; None when
+    nothing moves or the layout has several groups (or work past int64)."""
+    if len(layout.groups) != 1 or prefix.total >= 1 << 61:
+        return None
+    group = layout.groups[0]
+    ranks = [list(rank) for rank in group.shards]
+    n = len(ranks)
+    flat = [s for rank in ranks for s in rank]
+    bounds = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(rank) for rank in ranks], out=bounds[1:])
+    doc, start, end = (np.fromiter(col, dtype=np.int64, count=len(flat))
+                       for col in zip(*flat, strict=True)) if flat else (np.zeros(0, np.int64),) * 3
+    base = np.asarray(prefix.offsets, dtype=np.int64)[doc]
+    load = cost.per_rank_sums(prefix.at_array(base + end) - prefix.at_array(base + start), bounds)
+    tokens = cost.per_rank_sums(end - start, bounds).tolist()
+    goal = math.floor(target * int(load.sum()) / n) if n else 0
+    by_doc: dict[int, dict[int, list[Shard]]] = {}  # a rank's shards by doc, when read
+
+    def held(r: int) -> dict[int, list[Shard]]:
+        if r not in by_doc:
+            own: dict[int, list[Shard]] = {}
+            for s in ranks[r]:
+                own.setdefault(s.doc, []).append(s)
+            by_doc[r] = own
+        return by_doc[r]
+
+    works: dict[Shard, int] = {}
+
+    def work(s: Shard) -> int:
+        w = works.get(s)
+        if w is None:
+            w = works[s] = prefix.doc_prefix(s.end) - prefix.doc_prefix(s.start)
+        return w
+
+    limits = [(g.layers, None if g.window is None else g.window - 1) for g in mask.groups]
+    if int(np.count_nonzero(load > goal)) > MAX_MOVES:
+        return None  # every rank over the goal sheds at least once
+    loads = load.tolist()  # exact Python ints; ``load`` mirrors them for the selection
+    moves = 0
+    while moves < MAX_MOVES:
+        h = int(np.argmax(load))
+        lights = [r for r in np.argsort(load, kind="stable")[:LIGHT_RANKS].tolist() if r != h]
+        if loads[h] <= goal or not lights:
+            break
+        shed = min(loads[h] - goal, goal - loads[lights[0]])
+        if shed <= 0:
+            break
+        rows = [(order, r, goal - loads[r], max_tokens - tokens[r], held(r))
+                for order, r in enumerate(lights)]
+        best: tuple[tuple[int, int, int, int], int, int, int] | None = None
+        for j, s in enumerate(ranks[h]):
+            whole = work(s)
+            if whole <= shed:
+                cut, moved = s.start, whole
+            else:
+                cut = tail_cut(prefix, s, shed)
+                if cut >= s.end:
+                    continue
+                moved = work(Shard(s.doc, cut, s.end))
+            size = s.end - cut
+            bare = added_receive((), cut, limits) if cut else 0  # a rank without the doc
+            for order, r, room, token_room, docs in rows:
+                if moved > room or size > token_room:
+                    continue
+                own = docs.get(s.doc) if cut else None  # a whole doc needs no KV
+                key = (added_receive(own, cut, limits) if own else bare, -moved, order, j)
+                if best is None or key < best[0]:
+                    best = (key, j, cut, r)
+        if best is None:
+            break
+        _, j, cut, r = best
+        s = ranks[h][j]
+        tail = Shard(s.doc, cut, s.end)
+        moved = work(tail)
+        kept = Shard(s.doc, s.start, cut)
+        pieces = held(h)[s.doc]
+        pieces.remove(s)
+        if cut > s.start:
+            ranks[h][j] = kept
+            pieces.append(kept)
+        else:
+            del ranks[h][j]
+        ranks[r].append(tail)
+        held(r).setdefault(s.doc, []).append(tail)
+        loads[h] -= moved
+        loads[r] += moved
+        load[h], load[r] = loads[h], loads[r]
+        tokens[h] -= s.end - cut
+        tokens[r] += s.end - cut
+        moves += 1
+    if not moves:
+        return None
+    return Layout([GroupLayout(tuple(group.ranks), ranks)],
+                  {**layout.info, "weighted_moves": moves})
