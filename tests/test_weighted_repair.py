@@ -105,15 +105,17 @@ def test_a_repair_keeps_every_token_sheds_work_over_the_goal_and_stays_within_th
         request, layout = flashcp_layout(doc_lengths, n, mask)
         before = layout.groups[0].shards
         cap = max(sum(s.end - s.start for s in rank) for rank in before) + rng.randint(0, 50)
-        out = wr.repaired_layout(layout, WeightedPrefix(doc_lengths, mask), mask, 1.01, cap)
+        loads = weighted_loads(before, mask)
+        out = wr.repaired_layout(layout, loads, WeightedPrefix(doc_lengths, mask), mask, 1.01,
+                                 cap)
         if out is None:
             continue
         repaired += 1
         after = out.groups[0].shards
-        assert out == wr.repaired_layout(layout, WeightedPrefix(doc_lengths, mask), mask,
-                                         1.01, cap)
+        assert out == wr.repaired_layout(layout, loads, WeightedPrefix(doc_lengths, mask),
+                                         mask, 1.01, cap)
         assert coverage(after) == coverage(before)
-        loads, moved = weighted_loads(before, mask), weighted_loads(after, mask)
+        moved = weighted_loads(after, mask)
         goal = math.floor(1.01 * sum(loads) / n)
         assert max(moved) <= max(loads)
         assert excess(moved, goal) < excess(loads, goal)
@@ -128,8 +130,10 @@ def test_nothing_moves_on_one_rank_or_a_balanced_layout():
     prefix = WeightedPrefix([500, 500], mask)
     one = Layout([GroupLayout((0,), [[Shard(0, 0, 500), Shard(1, 0, 500)]])], {})
     even = Layout([GroupLayout((0, 1), [[Shard(0, 0, 500)], [Shard(1, 0, 500)]])], {})
-    assert wr.repaired_layout(one, prefix, mask, 1.05, 1000) is None
-    assert wr.repaired_layout(even, prefix, mask, 1.05, 1000) is None
+    assert wr.repaired_layout(one, weighted_loads(one.groups[0].shards, mask), prefix, mask,
+                              1.05, 1000) is None
+    assert wr.repaired_layout(even, weighted_loads(even.groups[0].shards, mask), prefix, mask,
+                              1.05, 1000) is None
 
 
 def test_a_layout_with_more_ranks_over_the_goal_than_moves_is_left_alone():
@@ -138,8 +142,23 @@ def test_a_layout_with_more_ranks_over_the_goal_than_moves_is_left_alone():
     doc_lengths = [100] * (n // 2)
     heavy = [[Shard(d, 0, 100)] for d in range(n // 2)]
     prefix = WeightedPrefix(doc_lengths, mask)
-    layout = Layout([GroupLayout(tuple(range(n)), heavy + [[] for _ in range(n // 2)])], {})
-    assert wr.repaired_layout(layout, prefix, mask, 1.05, 100) is None
+    shards = heavy + [[] for _ in range(n // 2)]
+    layout = Layout([GroupLayout(tuple(range(n)), shards)], {})
+    assert wr.repaired_layout(layout, weighted_loads(shards, mask), prefix, mask, 1.05,
+                              100) is None
+
+
+def test_a_layout_of_more_shards_than_the_bound_is_left_alone():
+    mask = parse_layers_text("1x1,1xfull")
+    doc_lengths = [1] * (wr.MAX_SHARDS + 1)
+    shards = [[Shard(d, 0, 1) for d in range(wr.MAX_SHARDS + 1)], []]
+    layout = Layout([GroupLayout((0, 1), shards)], {})
+    assert wr.repaired_layout(layout, weighted_loads(shards, mask),
+                              WeightedPrefix(doc_lengths, mask), mask, 1.05, 10**6) is None
+    shards = [[Shard(d, 0, 1) for d in range(wr.MAX_SHARDS)], []]
+    layout = Layout([GroupLayout((0, 1), shards)], {})
+    assert wr.repaired_layout(layout, weighted_loads(shards, mask),
+                              WeightedPrefix(doc_lengths, mask), mask, 1.05, 10**6) is not None
 
 
 def test_the_repair_is_a_candidate_beside_the_chunks_and_can_win():

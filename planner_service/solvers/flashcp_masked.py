@@ -21,8 +21,8 @@ the weighted objective wins:
    halos);
 5. ``flashcp repaired``: where flashcp's plan misses R on the weighted work, the same
    plan with shard tails moved from the heaviest ranks to the lightest until it meets R
-   (``weighted_repair``: at most ``MAX_MOVES`` moves, no rank above R times the even
-   token share or flashcp's own fullest rank). It often keeps flashcp's exchange, but a
+   (``weighted_repair``: at most ``MAX_MOVES`` moves, none past ``MAX_SHARDS`` shards,
+   no rank above R times the even token share or flashcp's own fullest rank). It often keeps flashcp's exchange, but a
    chunked layout can move less, so the chunks run as if it were not there;
 6. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
    tried in order only while no candidate meets R on the weighted work.
@@ -92,6 +92,8 @@ class Priced(NamedTuple):
     """Layer-weighted critical-path exchange, the worst group's."""
     tokens: int
     """Tokens on the fullest rank (the plan pads every rank of its group to it)."""
+    work: tuple[int, ...] = ()
+    """Per grouped rank, the layer-weighted work (empty for a closed-form candidate)."""
 
 
 def price(name: str, layout: Layout, request: PlanRequest, mode: str) -> Priced:
@@ -117,7 +119,7 @@ def price(name: str, layout: Layout, request: PlanRequest, mode: str) -> Priced:
         work += loads
         comm = max(comm, group_comm)
         most = max(most, tokens)
-    return Priced(name, layout, imbalance(work), comm, most)
+    return Priced(name, layout, imbalance(work), comm, most, tuple(work))
 
 
 def group_imbalances(layout: Layout, request: PlanRequest) -> list[float]:
@@ -174,7 +176,7 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
     padded = math.floor(target * -(-total // n)) if n else 0
     # Priced now, listed after the chunks: they run as if it were not there.
     repaired = None if met() else candidate("flashcp repaired", lambda: repaired_layout(
-        causal, prefix, request.mask, target, max(padded, priced[0].tokens)))
+        causal, priced[0].work, prefix, request.mask, target, max(padded, priced[0].tokens)))
     built: dict[str, Callable[[], Layout]] = {}
 
     def closed(name: str, figures: tuple[float, int], most: int,

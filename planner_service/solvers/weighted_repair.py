@@ -18,12 +18,13 @@ shard tail at a time:
   more work moved, then the lighter rank, then shard order.
 
 It stops once h is within R, when no pair fits, or after ``MAX_MOVES`` moves; it does
-not start when more than ``MAX_MOVES`` ranks are over the goal (each must shed). A move
+not start when more than ``MAX_MOVES`` ranks are over the goal (each must shed) or the
+layout has more than ``MAX_SHARDS`` shards. A move
 never raises the heaviest load (the tail fits the light rank's room). The result is a
 candidate like any other: ``flashcp_masked`` prices it exactly under the mask and keeps
 it only if it is the best.
 
-O(S + M (N log N + K s (log G + t))) for S shards, M <= MAX_MOVES moves, N ranks,
+O(N + S + M (N log N + K s (log G + t))) for S <= MAX_SHARDS shards, M <= MAX_MOVES moves, N ranks,
 K = LIGHT_RANKS, s shards on the heavy rank, G windows and t shards of one document on
 a light rank; deterministic.
 """
@@ -35,7 +36,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from planner_service.core import cost
 from planner_service.core.build import GroupLayout, Layout
 from planner_service.core.mask import AttentionMask
 from planner_service.core.plan import Shard
@@ -46,6 +46,8 @@ MAX_MOVES = 32
 the caller when it still misses R)."""
 LIGHT_RANKS = 4
 """Lightest ranks tried as receivers of each move."""
+MAX_SHARDS = 16384
+"""Most shards of a layout repaired (each move reads every shard of the heavy rank)."""
 
 
 def tail_cut(prefix: WeightedPrefix, shard: Shard, work: int) -> int:
@@ -76,25 +78,25 @@ def added_receive(pieces: Sequence[Shard], cut: int, limits: Sequence[tuple[int,
     return total
 
 
-def repaired_layout(layout: Layout, prefix: WeightedPrefix, mask: AttentionMask,
-                    target: float, max_tokens: int) -> Layout | None:
-    """``layout`` (one group) with tails moved until its layer-weighted imbalance is at
-    most ``target`` (module docstring), no rank above ``max_tokens`` tokens; None when
-    nothing moves or the layout has several groups (or work past int64)."""
-    if len(layout.groups) != 1 or prefix.total >= 1 << 61:
+def repaired_layout(layout: Layout, loads: Sequence[int], prefix: WeightedPrefix,
+                    mask: AttentionMask, target: float, max_tokens: int) -> Layout | None:
+    """``layout`` (one group; ``loads`` its ranks' layer-weighted work, in group order)
+    with tails moved until its layer-weighted imbalance is at most ``target`` (module
+    docstring), no rank above ``max_tokens`` tokens; None when nothing moves, the layout
+    has several groups or more than ``MAX_SHARDS`` shards."""
+    if len(layout.groups) != 1:
         return None
     group = layout.groups[0]
+    n = len(group.shards)
+    goal = math.floor(target * sum(loads) / n) if n else 0
+    if sum(1 for w in loads if w > goal) > MAX_MOVES:
+        return None  # every rank over the goal sheds at least once
     ranks = [list(rank) for rank in group.shards]
-    n = len(ranks)
-    flat = [s for rank in ranks for s in rank]
-    bounds = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([len(rank) for rank in ranks], out=bounds[1:])
-    doc, start, end = (np.fromiter(col, dtype=np.int64, count=len(flat))
-                       for col in zip(*flat, strict=True)) if flat else (np.zeros(0, np.int64),) * 3
-    base = np.asarray(prefix.offsets, dtype=np.int64)[doc]
-    load = cost.per_rank_sums(prefix.at_array(base + end) - prefix.at_array(base + start), bounds)
-    tokens = cost.per_rank_sums(end - start, bounds).tolist()
-    goal = math.floor(target * int(load.sum()) / n) if n else 0
+    if sum(map(len, ranks)) > MAX_SHARDS:
+        return None
+    load = np.array(loads, dtype=object if max(loads, default=0) >= 1 << 62 else np.int64)
+    loads = list(loads)  # exact Python ints; ``load`` mirrors them for the selection
+    tokens = [sum(s.end - s.start for s in rank) for rank in ranks]
     by_doc: dict[int, dict[int, list[Shard]]] = {}  # a rank's shards by doc, when read
 
     def held(r: int) -> dict[int, list[Shard]]:
@@ -114,9 +116,6 @@ def repaired_layout(layout: Layout, prefix: WeightedPrefix, mask: AttentionMask,
         return w
 
     limits = [(g.layers, None if g.window is None else g.window - 1) for g in mask.groups]
-    if int(np.count_nonzero(load > goal)) > MAX_MOVES:
-        return None  # every rank over the goal sheds at least once
-    loads = load.tolist()  # exact Python ints; ``load`` mirrors them for the selection
     moves = 0
     while moves < MAX_MOVES:
         h = int(np.argmax(load))
