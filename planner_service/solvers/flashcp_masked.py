@@ -22,8 +22,9 @@ the weighted objective wins:
 5. ``flashcp repaired``: where flashcp's plan misses R on the weighted work, the same
    plan with shard tails moved from the heaviest ranks to the lightest until it meets R
    (``weighted_repair``: at most ``MAX_MOVES`` moves, none past ``MAX_SHARDS`` shards,
-   no rank above R times the even token share or flashcp's own fullest rank). It often keeps flashcp's exchange, but a
-   chunked layout can move less, so the chunks run as if it were not there;
+   no rank above R times the even token share or flashcp's own fullest rank). It often
+   keeps flashcp's exchange, but a chunked layout can move less, so the chunks run as
+   if it were not there;
 6. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
    tried in order only while no candidate meets R on the weighted work.
 
