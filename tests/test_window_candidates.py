@@ -18,6 +18,7 @@ from planner_service.core import window_work as ww
 from planner_service.core.mask import AttentionMask, LayerGroup, parse_layers_text
 from planner_service.core.request import PlanRequest
 from planner_service.solvers import contiguous_halo as ch
+from planner_service.solvers import flashcp_masked
 from planner_service.solvers.common import doc_offsets, global_range_shards
 from planner_service.solvers.registry import solve
 
@@ -180,3 +181,16 @@ def test_flashcp_takes_the_least_exchange_within_r_and_pads_at_most_r(text):
             assert plan.metrics.imbalance <= 1.05
         assert chosen["weighted_comm_tokens"] == plan.metrics.comm_tokens
         assert chosen["max_tokens"] <= 1.05 * -(-sum(doc_lengths) // n)
+
+
+def test_per_doc_is_the_last_resort_only_up_to_its_chunk_bound(monkeypatch):
+    """One 21-token document on 8 ranks meets R under no candidate, so every fallback
+    runs; past ``PER_DOC_CHUNKS`` (2 N chunks a document) per_doc is left out."""
+    request = PlanRequest(doc_lengths=(21,), cp_size=8, mask=parse_layers_text("1x128,1xfull"))
+
+    def names():
+        return [c["candidate"] for c in solve(request).info["mask_candidates"]]
+
+    assert names()[-3:] == ["flashcp R=1.025", "flashcp R=1.0125", "per_doc"]
+    monkeypatch.setattr(flashcp_masked, "PER_DOC_CHUNKS", 2 * 8 - 1)
+    assert names()[-2:] == ["flashcp R=1.025", "flashcp R=1.0125"]

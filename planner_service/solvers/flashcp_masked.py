@@ -25,8 +25,9 @@ the weighted objective wins:
    no rank above R times the even token share or flashcp's own fullest rank). It often
    keeps flashcp's exchange, but a chunked layout can move less, so the chunks run as
    if it were not there;
-6. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc``,
-   tried in order only while no candidate meets R on the weighted work.
+6. ``flashcp R=<r>`` at each tighter causal target of ``TIGHTER``, then ``per_doc`` (up
+   to ``PER_DOC_CHUNKS`` chunks), tried in order only while no candidate meets R on the
+   weighted work.
 
 Objective: among the candidates whose layer-weighted imbalance is at most R, the least
 layer-weighted critical-path exchange in the request's mode (``MaskFigures.comm_tokens``:
@@ -42,7 +43,7 @@ Cost: one flashcp solve priced in O(s log s + G s) for s shards and G windows
 (``weighted_repair``'s bound) priced the same way where it misses R; the contiguous
 and chunk candidates in closed form on their cuts (O(D G + N log S (log D + G)) and
 O(k N (log N + log D + G)) for D documents, S tokens), only the chosen one built; the
-tighter flashcp solves and per_doc only when none of those meets R.
+tighter flashcp solves and per_doc (O(D N)) only when none of those meets R.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ MAX_CHUNKS = 32
 """Most equal-token chunks per rank tried (``chunked_layout``: 2, 4, .. MAX_CHUNKS)."""
 TIGHTER = (0.5, 0.25)
 """Causal targets tried below R, as shares of R's slack (R = 1.05: 1.025, 1.0125)."""
+PER_DOC_CHUNKS = 1 << 18
+"""Most chunks (2 N a document) of the ``per_doc`` fallback: its layout and price take
+O(D N), more than all the other candidates together on many documents, where documents
+shorter than 2 N tokens leave it unbalanced anyway."""
 
 
 class Priced(NamedTuple):
@@ -216,7 +221,7 @@ def masked_flashcp_layout(doc_lengths: Sequence[int], request: PlanRequest,
             attempt(f"flashcp R={r:g}", causal_at(r))
             if met():
                 break
-        if not met():
+        if not met() and 2 * len(doc_lengths) * n <= PER_DOC_CHUNKS:
             attempt("per_doc", lambda: per_doc_layout(doc_lengths, request))
     within = [p for p in priced if p.imbalance <= target]
     if within:
