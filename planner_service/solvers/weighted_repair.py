@@ -19,14 +19,13 @@ shard tail at a time:
 
 It stops once h is within R, when no pair fits, or after ``MAX_MOVES`` moves; it does
 not start when more than ``MAX_MOVES`` ranks are over the goal (each must shed) or the
-layout has more than ``MAX_SHARDS`` shards. A move
-never raises the heaviest load (the tail fits the light rank's room). The result is a
-candidate like any other: ``flashcp_masked`` prices it exactly under the mask and keeps
-it only if it is the best.
+layout has more than ``MAX_SHARDS`` shards. A move never raises the heaviest load (the
+tail fits the light rank's room). The result is a candidate like any other:
+``flashcp_masked`` prices it exactly under the mask and keeps it only if it is the best.
 
-O(N + S + M (N log N + K s (log G + t))) for S <= MAX_SHARDS shards, M <= MAX_MOVES moves, N ranks,
-K = LIGHT_RANKS, s shards on the heavy rank, G windows and t shards of one document on
-a light rank; deterministic.
+O(N + S + M (N log N + K s (log G + t))) for S <= MAX_SHARDS shards, M <= MAX_MOVES
+moves, N ranks, K = LIGHT_RANKS, s shards on the heavy rank, G windows and t shards of
+one document on a light rank; deterministic.
 """
 
 from __future__ import annotations
@@ -94,8 +93,8 @@ def repaired_layout(layout: Layout, loads: Sequence[int], prefix: WeightedPrefix
     ranks = [list(rank) for rank in group.shards]
     if sum(map(len, ranks)) > MAX_SHARDS:
         return None
-    load = np.array(loads, dtype=object if max(loads, default=0) >= 1 << 62 else np.int64)
-    loads = list(loads)  # exact Python ints; ``load`` mirrors them for the selection
+    exact = list(loads)  # Python ints; ``mirror`` holds them for the selection
+    mirror = np.array(exact, dtype=object if max(exact, default=0) >= 1 << 62 else np.int64)
     tokens = [sum(s.end - s.start for s in rank) for rank in ranks]
     by_doc: dict[int, dict[int, list[Shard]]] = {}  # a rank's shards by doc, when read
 
@@ -118,14 +117,14 @@ def repaired_layout(layout: Layout, loads: Sequence[int], prefix: WeightedPrefix
     limits = [(g.layers, None if g.window is None else g.window - 1) for g in mask.groups]
     moves = 0
     while moves < MAX_MOVES:
-        h = int(np.argmax(load))
-        lights = [r for r in np.argsort(load, kind="stable")[:LIGHT_RANKS].tolist() if r != h]
-        if loads[h] <= goal or not lights:
+        h = int(np.argmax(mirror))
+        lights = [r for r in np.argsort(mirror, kind="stable")[:LIGHT_RANKS].tolist() if r != h]
+        if exact[h] <= goal or not lights:
             break
-        shed = min(loads[h] - goal, goal - loads[lights[0]])
+        shed = min(exact[h] - goal, goal - exact[lights[0]])
         if shed <= 0:
             break
-        rows = [(order, r, goal - loads[r], max_tokens - tokens[r], held(r))
+        rows = [(order, r, goal - exact[r], max_tokens - tokens[r], held(r))
                 for order, r in enumerate(lights)]
         best: tuple[tuple[int, int, int, int], int, int, int] | None = None
         for j, s in enumerate(ranks[h]):
@@ -162,9 +161,9 @@ def repaired_layout(layout: Layout, loads: Sequence[int], prefix: WeightedPrefix
             del ranks[h][j]
         ranks[r].append(tail)
         held(r).setdefault(s.doc, []).append(tail)
-        loads[h] -= moved
-        loads[r] += moved
-        load[h], load[r] = loads[h], loads[r]
+        exact[h] -= moved
+        exact[r] += moved
+        mirror[h], mirror[r] = exact[h], exact[r]
         tokens[h] -= s.end - cut
         tokens[r] += s.end - cut
         moves += 1
