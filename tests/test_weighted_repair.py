@@ -29,10 +29,6 @@ masks = st.lists(
 ).map(lambda groups: AttentionMask(tuple(groups)))
 
 
-def limits(mask):
-    return [(g.layers, None if g.window is None else g.window - 1) for g in mask.groups]
-
-
 @settings(max_examples=60, deadline=None)
 @given(masks, st.integers(1, 2000), st.data())
 def test_the_tail_cut_is_the_greatest_carrying_the_work(mask, length, data):
@@ -68,9 +64,9 @@ def test_the_receive_score_bounds_what_the_tail_adds_and_is_exact_for_a_bare_ran
         return sum(g.layers * ww.reference_comm_volumes([shards], g.window).alltoallv_recv[0]
                    for g in mask.groups)
 
-    score = wr.added_receive(pieces, cut, limits(mask))
+    score = wr.added_receive(pieces, cut, wr.window_limits(mask))
     assert score >= receive(pieces + [tail]) - receive(pieces)
-    assert wr.added_receive((), cut, limits(mask)) == receive([tail])
+    assert wr.added_receive((), cut, wr.window_limits(mask)) == receive([tail])
 
 
 def flashcp_layout(doc_lengths, n, mask):

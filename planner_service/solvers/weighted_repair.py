@@ -59,6 +59,12 @@ def tail_cut(prefix: WeightedPrefix, shard: Shard, work: int) -> int:
     return max(shard.start, prefix.doc_reach(value, shard.end))
 
 
+def window_limits(mask: AttentionMask) -> list[tuple[int, int | None]]:
+    """Per layer group, (layers, W - 1, or None for a causal group): ``added_receive``'s
+    ``limits``."""
+    return [(g.layers, None if g.window is None else g.window - 1) for g in mask.groups]
+
+
 def added_receive(pieces: Sequence[Shard], cut: int, limits: Sequence[tuple[int, int | None]]
                   ) -> int:
     """The layer-weighted KV a tail starting at ``cut`` needs that a rank holding
@@ -114,7 +120,7 @@ def repaired_layout(layout: Layout, loads: Sequence[int], prefix: WeightedPrefix
             w = works[s] = prefix.doc_prefix(s.end) - prefix.doc_prefix(s.start)
         return w
 
-    limits = [(g.layers, None if g.window is None else g.window - 1) for g in mask.groups]
+    limits = window_limits(mask)
     moves = 0
     while moves < MAX_MOVES:
         h = int(np.argmax(mirror))
